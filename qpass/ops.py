@@ -1,0 +1,191 @@
+"""Rollout-side custom ops and the kernel table they dispatch through.
+
+Ops (namespace ``qpass``; each has a fake kernel so it survives ``torch.export``):
+
+* ``qpass::nvfp4_linear(x, w_codes, w_scales, w_s_dec, bias?, site, act, rac_ratio, rac_mode,
+  rac_selection, rac_channels?) -> Tensor``: the NVFP4 rollout linear. ``act='none'`` is W4A16,
+  ``'nvfp4'`` W4A4 with a dynamic per-tensor activation global scale, ``'nvfp4_per_token'`` W4A4
+  with one global scale per token. ``rac_ratio > 0`` adds residual activation compensation.
+* ``qpass::fp8_linear(x, w_data, w_scale, bias?, site, act_granularity, w_granularity) -> Tensor``:
+  W8A8 FP8 E4M3 with block (or per-tensor/per-token) scales.
+
+Semantics: :mod:`qpass.quant.linear`. Implementations live in a kernel table keyed by
+``(op, backend)``; ``reference`` (plain torch, CPU/CUDA) is always present and the Triton backend
+registers itself on import. Choose with :func:`use_kernels` / :func:`set_kernel_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .errors import QpassError
+from .formats.spec import FP8Spec, Granularity
+from .quant.fp8 import FP8Tensor
+from .quant.linear import fp8_linear_reference, w4a4_linear_reference, w4a16_linear_reference
+from .quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec, nvfp4_dequantize
+from .quant.rac import RACConfig
+
+ACT_MODES = ("none", "nvfp4", "nvfp4_per_token")
+
+_KERNELS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
+_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("qpass_kernel_backend", default="reference")
+
+
+def register_kernel(op: str, backend: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Decorator: register ``fn`` as the ``backend`` implementation of ``op``."""
+
+    def deco(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        _KERNELS[(op, backend)] = fn
+        return fn
+
+    return deco
+
+
+def kernel_backends(op: str) -> list[str]:
+    """Backends that implement ``op``."""
+    return sorted(b for (o, b) in _KERNELS if o == op)
+
+
+def set_kernel_backend(name: str) -> None:
+    """Select the kernel backend for subsequent calls in this context (``reference`` or ``triton``)."""
+    if name == "triton":
+        from .backends import triton as _triton_backend  # noqa: F401  (registers its kernels)
+    _BACKEND.set(name)
+
+
+@contextlib.contextmanager
+def use_kernels(name: str) -> Iterator[None]:
+    """Context manager form of :func:`set_kernel_backend`."""
+    if name == "triton":
+        from .backends import triton as _triton_backend  # noqa: F401
+    token = _BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def current_backend() -> str:
+    return _BACKEND.get()
+
+
+def _dispatch(op: str, device: torch.device) -> Callable[..., torch.Tensor]:
+    backend = _BACKEND.get()
+    if backend != "reference" and device.type != "cuda" and backend == "triton":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            backend = "reference"  # Triton kernels need a GPU or the interpreter
+    fn = _KERNELS.get((op, backend))
+    if fn is None:
+        raise QpassError(f"no {backend!r} kernel registered for {op}; available: {kernel_backends(op)}")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantized-weight cache for the reference backend: a weight buffer is decoded once per version.
+_WHAT_CACHE: "OrderedDict[tuple[int, int, int, int], torch.Tensor]" = OrderedDict()
+_WHAT_CACHE_MAX = 512
+
+
+def cached_weight(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Memoise a decoded weight by (storage pointer, in-place version) of its codes and scales."""
+    key = (codes.data_ptr(), codes._version, scales.data_ptr(), scales._version + 1000003 * s_dec._version)
+    hit = _WHAT_CACHE.get(key)
+    if hit is not None:
+        _WHAT_CACHE.move_to_end(key)
+        return hit
+    val = make()
+    _WHAT_CACHE[key] = val
+    if len(_WHAT_CACHE) > _WHAT_CACHE_MAX:
+        _WHAT_CACHE.popitem(last=False)
+    return val
+
+
+@register_kernel("nvfp4_linear", "reference")
+def _nvfp4_linear_ref(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_s_dec: torch.Tensor,
+    bias: torch.Tensor | None,
+    site: str,
+    act: str,
+    rac_ratio: float,
+    rac_mode: str,
+    rac_selection: str,
+    rac_channels: torch.Tensor | None,
+) -> torch.Tensor:
+    w = NVFP4Tensor.from_parts(w_codes, w_scales, w_s_dec)
+    w_hat = cached_weight(w_codes, w_scales, w_s_dec, lambda: nvfp4_dequantize(w, torch.bfloat16))
+    if act == "none":
+        return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
+    rac = RACConfig(rac_ratio, rac_mode, rac_selection) if rac_ratio > 0 else None
+    return w4a4_linear_reference(
+        x, w, bias, act_spec=nvfp4_act_spec(act == "nvfp4_per_token"), rac=rac,
+        static_channels=rac_channels, w_hat=w_hat, site=site,
+    )
+
+
+@torch.library.custom_op("qpass::nvfp4_linear", mutates_args=())
+def nvfp4_linear(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_s_dec: torch.Tensor,
+    bias: torch.Tensor | None,
+    site: str,
+    act: str,
+    rac_ratio: float,
+    rac_mode: str,
+    rac_selection: str,
+    rac_channels: torch.Tensor | None,
+) -> torch.Tensor:
+    """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring)."""
+    if act not in ACT_MODES:
+        raise QpassError(f"nvfp4_linear at site {site}: act must be one of {ACT_MODES}, got {act!r}")
+    fn = _dispatch("nvfp4_linear", x.device)
+    return fn(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels)
+
+
+@nvfp4_linear.register_fake
+def _nvfp4_linear_fake(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], w_codes.shape[0]))
+
+
+def _fp8_spec(granularity: str, role: str) -> FP8Spec:
+    return FP8Spec(role=role, granularity=Granularity(granularity))
+
+
+@register_kernel("fp8_linear", "reference")
+def _fp8_linear_ref(x, w_data, w_scale, bias, site, act_granularity, w_granularity):  # noqa: ANN001
+    w = FP8Tensor(data=w_data, scale=w_scale, shape=w_data.shape, orig_dtype=torch.bfloat16, spec=_fp8_spec(w_granularity, "weight"))
+    from .quant.fp8 import fp8_dequantize
+
+    w_deq = cached_weight(w_data.view(torch.uint8), w_scale, w_scale, lambda: fp8_dequantize(w, torch.float32))
+    return fp8_linear_reference(x, w, bias, act_spec=_fp8_spec(act_granularity, "activation"), w_deq=w_deq, site=site)
+
+
+@torch.library.custom_op("qpass::fp8_linear", mutates_args=())
+def fp8_linear(
+    x: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    site: str,
+    act_granularity: str,
+    w_granularity: str,
+) -> torch.Tensor:
+    """FP8 E4M3 W8A8 rollout linear ``x [..., K] -> [..., N]``."""
+    fn = _dispatch("fp8_linear", x.device)
+    return fn(x, w_data, w_scale, bias, site, act_granularity, w_granularity)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x, w_data, w_scale, bias, site, act_granularity, w_granularity):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], w_data.shape[0]))
