@@ -1,1 +1,1 @@
-"""recipes."""
+"""Built-in recipes (YAML files; import name qpass.recipes)."""

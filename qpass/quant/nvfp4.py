@@ -68,10 +68,26 @@ class NVFP4Tensor:
     def from_parts(
         cls, codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, spec: NVFP4Spec = NVFP4_WEIGHT
     ) -> "NVFP4Tensor":
-        """Rebuild from stored bytes (packed codes [..., K/2], e4m3 scales [..., K/16], fp32 s_dec)."""
+        """Rebuild from stored bytes (packed codes [..., K/2], e4m3 scales [..., K/16], fp32 s_dec).
+
+        Args:
+            codes: uint8 ``[..., K/2]``, element ``2j`` in the low nibble.
+            scales: ``float8_e4m3fn`` or raw ``uint8`` bytes ``[..., K/16]`` (linear layout);
+                uint8 is reinterpreted bit for bit (never converted by value).
+            s_dec: float32 decode multiplier, shape ``()`` or ``[..., 1]``.
+        Raises:
+            QuantizationError: wrong dtypes or shapes that do not fit together.
+        """
+        if codes.dtype != torch.uint8:
+            raise QuantizationError(f"packed NVFP4 codes must be uint8, got {codes.dtype}")
+        if scales.dtype == torch.uint8:
+            scales = scales.view(torch.float8_e4m3fn)
+        if scales.dtype != torch.float8_e4m3fn:
+            raise QuantizationError(f"NVFP4 scales must be float8_e4m3fn (or their uint8 bytes), got {scales.dtype}")
         shape = torch.Size((*codes.shape[:-1], codes.shape[-1] * 2))
-        if scales.shape[-1] * BLOCK != shape[-1]:
+        if scales.shape[:-1] != codes.shape[:-1] or scales.shape[-1] * BLOCK != shape[-1]:
             raise QuantizationError(f"scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)}")
+        s_dec = torch.as_tensor(s_dec, dtype=torch.float32)
         return cls(codes=codes, scales=scales, s_dec=s_dec, shape=shape, spec=spec)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -177,7 +193,20 @@ def nvfp4_quantize(
         _check_amax(amax_t, x, per_token, name, site)
     amax_t = allreduce_max(amax_t, process_group)
 
-    s_enc, s_dec = global_scales(amax_t)
+    return quantize_with_amax(x, amax_t, spec=spec)
+
+
+def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec = NVFP4_WEIGHT) -> NVFP4Tensor:
+    """The arithmetic of :func:`nvfp4_quantize` after validation (SPEC §3), for an already-final amax.
+
+    Shared by :func:`nvfp4_quantize` and the ``te_reference`` emulation mode so the two cannot drift
+    apart. Performs **no** input checks: ``x`` must be finite bf16/fp16/fp32 ``(..., K)`` with
+    ``K % 16 == 0``; ``amax`` float32, shape ``()`` or ``x.shape[:-1] + (1,)``, finite, ``>= 0``.
+    A stale amax (``< max|x|``) is *not* rejected here: block scales then saturate at 448 and
+    elements at +-6, exactly as the formula says.
+    """
+    amax = amax.float()
+    s_enc, s_dec = global_scales(amax)
     lead, k = x.shape[:-1], x.shape[-1]
     xb = x.float().reshape(*lead, k // BLOCK, BLOCK)
     vmax = xb.abs().amax(dim=-1)
@@ -190,7 +219,7 @@ def nvfp4_quantize(
         scales=s_b.to(torch.float8_e4m3fn),
         s_dec=s_dec,
         s_enc=s_enc,
-        amax=amax_t,
+        amax=amax,
         shape=x.shape,
         orig_dtype=x.dtype,
         spec=spec,

@@ -1,0 +1,123 @@
+"""Torch eager rollout: sample from the pass-rewritten step graph (static KV cache).
+
+Prefill runs the whole left-padded prompt batch in one call of the step graph, then every decode
+step feeds one token per row. The behaviour log-probabilities ``log q`` are recorded at sampling time
+from the same sampling distribution (temperature, top-p) the learner scores with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from qpass.errors import QpassError
+from qpass.graph.qgraph import QGraph
+from qpass.sampling import sampling_logprobs
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Sampled sequences.
+
+    Attributes:
+        input_ids: int64 ``[B, P + R]``: left-padded prompts then responses (pad after EOS).
+        attention_mask: int64 ``[B, P + R]``: 1 on real prompt tokens and valid response tokens.
+        prompt_len: ``P`` (padded prompt width).
+        response_mask: bool ``[B, R]``: valid response tokens (up to and including EOS).
+        logq: float32 ``[B, R]``: behaviour log-probabilities of the sampled tokens (0 where invalid).
+        n_real: rows that hold real prompts (the rest pad the static batch).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    response_mask: torch.Tensor
+    logq: torch.Tensor
+    n_real: int
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_len:]
+
+
+class TorchRollout:
+    """Behaviour policy q over the (rewritten) step graph.
+
+    Args:
+        qg: rollout-side :class:`QGraph` of kind ``step`` (fixed batch size and cache length).
+        pad_token_id, eos_token_id: tokenizer ids.
+    """
+
+    def __init__(self, qg: QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int]) -> None:
+        if qg.kind != "step":
+            raise ValueError(f"TorchRollout needs a step graph, got kind={qg.kind!r}")
+        self.qg = qg
+        self.gm = qg.gm
+        self.batch_size = int(qg.captured.batch_size)
+        self.max_len = int(qg.captured.max_len)
+        self.pad = int(pad_token_id)
+        self.eos = torch.tensor(list(eos_token_id) if isinstance(eos_token_id, Sequence) else [eos_token_id])
+
+    def _device(self) -> torch.device:
+        for t in self.gm.buffers():
+            return t.device
+        return torch.device("cpu")
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> RolloutBatch:
+        """Sample up to ``max_new_tokens`` per prompt.
+
+        Raises:
+            QpassError: more prompts than the captured batch size, or prompt + new tokens longer
+                than the captured cache.
+        """
+        n = len(prompts)
+        if n == 0 or n > self.batch_size:
+            raise QpassError(f"rollout graph was captured for batch {self.batch_size}, got {n} prompts")
+        p = max(len(x) for x in prompts)
+        if p + max_new_tokens > self.max_len:
+            raise QpassError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({self.max_len})")
+        dev = self._device()
+        rows = list(prompts) + [prompts[-1]] * (self.batch_size - n)  # fill the static batch
+        b = self.batch_size
+        ids = torch.full((b, p), self.pad, dtype=torch.long)
+        mask = torch.zeros(b, self.max_len, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, p - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, p - len(r):p] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask[:, :p].cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        eos = self.eos.to(dev)
+        logits = self.gm(ids, pos, torch.arange(p, device=dev), mask)[:, -1]
+        out_tok, out_lp, out_valid = [], [], []
+        alive = torch.ones(b, dtype=torch.bool, device=dev)
+        last_pos = pos[:, -1]
+        for t in range(max_new_tokens):
+            lp = sampling_logprobs(logits, temperature, top_p)
+            tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(-1)
+            tok = torch.where(alive, tok, torch.full_like(tok, self.pad))
+            out_tok.append(tok)
+            out_lp.append(torch.where(alive, lp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), torch.zeros_like(tok, dtype=torch.float32)))
+            out_valid.append(alive.clone())
+            mask[:, p + t] = alive.long()
+            alive = alive & ~torch.isin(tok, eos)
+            if t == max_new_tokens - 1 or not bool(alive.any()):
+                break
+            last_pos = last_pos + 1
+            logits = self.gm(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
+        resp = torch.stack(out_tok, 1)
+        valid = torch.stack(out_valid, 1)
+        full_ids = torch.cat([ids, resp], 1)
+        full_mask = torch.cat([mask[:, :p], valid.long()], 1)
+        return RolloutBatch(full_ids, full_mask, p, valid, torch.stack(out_lp, 1).float(), n)
