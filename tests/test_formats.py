@@ -197,6 +197,12 @@ def test_pack_unpack_errors():
         pack_e2m1(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         unpack_e2m1(torch.zeros(3, dtype=torch.int32))
+    # a value that does not fit a nibble would silently corrupt its neighbour
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_e2m1(torch.tensor([16, 1], dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_e2m1(torch.tensor([1.0, 2.0]))
+    assert pack_e2m1(torch.tensor([15, 15], dtype=torch.int64)).item() == 0xFF
 
 
 # ---------------------------------------------------------------------------------------------

@@ -394,6 +394,8 @@ def test_leading_dims_and_explicit_amax():
     qa = nvfp4_quantize(x, amax)
     assert qa.amax.item() == amax.item()
     assert torch.equal(qa.codes, quantize_with_amax(x, amax).codes)
+    q1 = nvfp4_quantize(x, amax.reshape(1))  # a [1]-shaped amax (checkpoint convention) is a scalar
+    assert q1.s_dec.shape == () and torch.equal(q1.codes, qa.codes)
 
 
 # =============================================================================================

@@ -43,6 +43,16 @@ def test_zero_scale_blocks_compare_by_decoded_value():
     assert (d.differing_codes, d.first_code) == (1, (0, 0))
 
 
+def test_nan_scale_block_is_never_a_zero_block():
+    # all-zero codes under a NaN scale decode to 0 * NaN = NaN: not equal to a zero block
+    zero = parity_object_from_parts(*_parts([0] * 16, [0x00]))
+    for nan_byte in (0x7F, 0xFF):
+        nan = parity_object_from_parts(*_parts([0] * 16, [nan_byte]))
+        assert nan.scale_bytes.item() == nan_byte
+        d = compare_parity(zero, nan)
+        assert (d.differing_scales, d.differing_codes) == (1, 0)
+
+
 def test_planted_one_bit_changes_are_found_with_their_index():
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 256, generator=g) * 0.02).bfloat16()

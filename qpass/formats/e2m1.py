@@ -65,6 +65,8 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Pack codes [..., K] (K even) into bytes [..., K/2]: low nibble = even k."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_e2m1 needs an even last dimension, got shape {tuple(codes.shape)}")
+    if codes.is_floating_point() or bool(((codes < 0) | (codes > 0xF)).any()):
+        raise ValueError("pack_e2m1 needs integer codes in [0, 15] (one E2M1 code per element)")
     c = codes.to(torch.uint8)
     return c[..., 0::2] | (c[..., 1::2] << 4)
 

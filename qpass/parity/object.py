@@ -73,7 +73,12 @@ class ParityDiff:
 def parity_object_from_parts(
     codes_packed: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, name: str = ""
 ) -> ParityObject:
-    """Canonical parity object from raw parts (packed uint8 codes, e4m3 or uint8 scale bytes, fp32 s_dec)."""
+    """Canonical parity object from raw parts (packed uint8 codes, e4m3 or uint8 scale bytes, fp32 s_dec).
+
+    Canonicalisation (SPEC §3 rule 4): code 0x8 (-0) -> 0x0; scale byte 0x80 (E4M3 -0) -> 0x00; a
+    block that decodes to all zeros (scale 0, or every code +-0 under a non-NaN scale) gets scale 0
+    and codes 0. A NaN scale byte (0x7F/0xFF) is kept as is, so it never equals a zero block.
+    """
     codes = unpack_e2m1(codes_packed.detach().cpu())
     codes = torch.where(codes == 0x8, torch.zeros_like(codes), codes)
     raw_scales = scales.detach().cpu()
@@ -81,7 +86,8 @@ def parity_object_from_parts(
     sb = torch.where(sb == 0x80, torch.zeros_like(sb), sb)  # E4M3 -0.0 is a zero scale
     lead, k = codes.shape[:-1], codes.shape[-1]
     blocks = codes.reshape(*lead, k // BLOCK, BLOCK)
-    zero_block = (sb == 0) | (blocks == 0).all(dim=-1)
+    nan_scale = (sb & 0x7F) == 0x7F  # E4M3 NaN: 0 * NaN is NaN, so such a block never decodes to 0
+    zero_block = (sb == 0) | ((blocks == 0).all(dim=-1) & ~nan_scale)
     blocks = torch.where(zero_block.unsqueeze(-1), torch.zeros_like(blocks), blocks)
     sb = torch.where(zero_block, torch.zeros_like(sb), sb)
     return ParityObject(

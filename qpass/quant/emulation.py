@@ -151,6 +151,8 @@ def _prepare(
         amax_t = x.detach().abs().amax().float()
     else:
         amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        if amax_t.numel() == 1:
+            amax_t = amax_t.reshape(())
         if not bool(torch.isfinite(amax_t).all()) or bool((amax_t < 0).any()):
             raise QuantizationError(f"nvfp4 emulation {mode!r}: amax must be finite and >= 0, got {amax_t.flatten()[:4].tolist()}")
         if amax_t.dim() != 0 and tuple(amax_t.shape) != tuple(lead) + (1,):

@@ -156,7 +156,8 @@ def nvfp4_quantize(
 
     Args:
         x: bf16/fp16/fp32, shape ``(..., K)`` with at least 2 dims, ``K % 16 == 0``, finite.
-        amax: the global amax (float32; a **max-abs value**, not a scale). ``None`` means
+        amax: the global amax (float32; a **max-abs value**, not a scale; shape ``()`` or ``[1]``,
+            or ``x.shape[:-1] + (1,)`` for per_token). ``None`` means
             ``max|x|`` over ``x`` and every tensor in ``group`` (per row if
             ``spec.global_scope == 'per_token'``). A given amax smaller than ``max|x|`` is stale
             (SPEC rule 2) and raises.
@@ -165,7 +166,9 @@ def nvfp4_quantize(
             fused tensor.
         process_group: ``torch.distributed`` group over which the quantization group is sharded;
             the amax is all-reduced with MAX so each shard quantizes exactly as its slice of the
-            unsharded tensor.
+            unsharded tensor (shard widths along K must be multiples of 16). With a ``per_token``
+            spec the per-row amax is all-reduced element-wise, which is right only when every rank
+            holds the same rows (K-sharded activations), never for row/token-sharded inputs.
         spec: :class:`NVFP4Spec` (weight / activation, per-tensor / per-token global scale).
         name, site: how errors name the tensor.
     Returns:
@@ -190,6 +193,8 @@ def nvfp4_quantize(
             amax_t = torch.stack([amax_t] + [tensor_amax(g).to(amax_t.device) for g in group]).amax()
     else:
         amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        if not per_token and amax_t.numel() == 1:
+            amax_t = amax_t.reshape(())  # a [1]-shaped amax (checkpoint convention) is a scalar
         _check_amax(amax_t, x, per_token, name, site)
     amax_t = allreduce_max(amax_t, process_group)
 
