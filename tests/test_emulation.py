@@ -156,7 +156,8 @@ def test_d2_element_multiplier_per_mode():
     #  te / vllm   x * fl(1/fl(5 * fl(1/S_enc)))  = x * 139.8634033 = 3.4999998 -> 3.0 (code 5)
     #  torchao     x * fl(fl(1/fl(amax/2688))/5)  = x * 139.8634186 = 3.5       -> tie -> 4.0 (code 6)
     #  modelopt    x / fl(5 * fl(amax/2688))      = 3.5                          -> 4.0 (code 6)
-    #  compressed  gs = fl(fl(1/amax)*2688) = 699.3171387 (one ulp above S_enc); x / fl(5/gs) = 3.4999998 -> 3.0
+    #  compressed  gs = fl(fl(1/amax)*2688) = 699.3170166 (0x442ED44A, one ulp below S_enc);
+    #              x / fl(5/gs) = x / 0.0071498333 = 3.4999998 -> 3.0 (code 5)
     x = torch.cat([_row([3.84375]), _row([0.04296875, 205 / 8192])], dim=1)
     expected = {"te_reference": 5, "vllm_sglang": 5, "torchao": 6, "modelopt_export": 6, "compressed_tensors": 5}
     for mode, code in expected.items():
@@ -164,6 +165,7 @@ def test_d2_element_multiplier_per_mode():
         assert q.scales.float()[0, 1].item() == 5.0, mode
         assert q.unpacked_codes()[0, 17].item() == code, mode
     assert unpack_e2m1(_torchao(x)[0])[0, 17].item() == 6
+    assert _bits(emulate("compressed_tensors", x).s_enc) == 0x442ED44A
 
 
 def test_d5_tiny_block_scale_rules():
@@ -265,24 +267,25 @@ def _tie_free(x: torch.Tensor, delta: float = 2.0**-12) -> torch.Tensor:
     return x
 
 
-def _realistic_weights() -> list[tuple[str, torch.Tensor]]:
+def _realistic_weights(rows: int = 256, k: int = 2048) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234)
     out = [
-        ("normal(0, 0.02)", torch.randn(256, 2048, generator=g) * 0.02),
-        ("student_t3 * 0.01", torch.randn(256, 2048, generator=g) / torch.rand(256, 2048, generator=g).clamp(min=0.05) * 0.01),
-        ("kaiming_uniform", (torch.rand(256, 2048, generator=g) * 2 - 1) / math.sqrt(2048)),
+        ("normal(0, 0.02)", torch.randn(rows, k, generator=g) * 0.02),
+        ("student_t3 * 0.01", torch.randn(rows, k, generator=g) / torch.rand(rows, k, generator=g).clamp(min=0.05) * 0.01),
+        ("kaiming_uniform", (torch.rand(rows, k, generator=g) * 2 - 1) / math.sqrt(k)),
     ]
     for a in (0.099609375, 0.8125, 0.5078125):  # short-mantissa amax values: tie-rich (prior-art §9)
-        w = (torch.randn(256, 2048, generator=g) * 0.02).clamp(-a, a)
+        w = (torch.randn(rows, k, generator=g) * 0.02).clamp(-a, a)
         w[0, 0] = a
         out.append((f"normal, amax={a}", w))
-    out.append(("integers * 2^-6", torch.randint(-100, 101, (256, 2048), generator=g).float() * 2**-6))
+    out.append(("integers * 2^-6", torch.randint(-100, 101, (rows, k), generator=g).float() * 2**-6))
     return [(n, w.bfloat16()) for n, w in out]
 
 
 def test_torchao_equals_reference_on_tie_free_input():
-    for name, w in _realistic_weights():
+    for name, w in _realistic_weights(rows=96):
         x = _tie_free(w)
+        assert (x != w).float().mean().item() < 0.02, name  # a light edit of realistic data
         data, scales, pts = _torchao(x)
         ref = nvfp4_quantize(x)
         assert torch.equal(data, ref.codes), name

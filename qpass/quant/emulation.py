@@ -5,18 +5,17 @@ Every mode is a pure function ``mode(x, amax=None) -> NVFP4Tensor`` with the ref
 quantizer's (SPEC §3). The modes differ only where the libraries differ (see
 ``prior-art/nvfp4_semantics.md`` §4 and §8, D1/D2/D4/D5):
 
-=========================  ==========================  =========================  ======================  =====================
-mode                       global scale (fp32)         block scale before e4m3    zero / tiny scale       element multiplier
-=========================  ==========================  =========================  ======================  =====================
-``te_reference``           ``S_enc = fl(2688/amax)``   ``fl(vmax*fl(S_enc/6))``   0 kept (enc=FLT_MAX)    ``x*fl(1/fl(s*S_dec))``
-``vllm_sglang``            ``gs = fl(2688/amax)``      ``fl(gs*fl(vmax*fl(1/6)))`` 0 kept (enc=0)         ``x*fl(1/fl(s*fl(1/gs)))``
-``torchao``                ``pts = fl(amax/2688)``     ``fl(fl(vmax/6)/pts)``     clamp [2^-6, 448]       ``x*fl(fl(1/pts)/s)``
-``torchao_cuda``           ``fl(amax*fl(1/2688))``     ``fl(fl(vmax*fl(1/6))/pts)`` clamp [2^-6, 448]     ``x*fl(fl(1/pts)/s)``
-``modelopt_export``        ``w2 = fl(amax/2688)``      ``fl(vmax/fl(6*w2))``      exact 0 -> 1.0          ``x/fl(s*w2)``
-``modelopt_export_cuda``   ``fl(amax*fl(1/2688))``     ``fl(vmax/fl(6*w2))``      exact 0 -> 1.0          ``x/fl(s*w2)``
-``compressed_tensors``     ``gs = fl(fl(1/amax)*2688)`` ``fl(gs*fl(vmax/6))``     e4m3 0 -> 0.125         ``x/fl(s/gs)``
-``compressed_tensors_cuda`` same                       ``fl(gs*fl(vmax*fl(1/6)))`` e4m3 0 -> 0.125        ``x/fl(s/gs)``
-=========================  ==========================  =========================  ======================  =====================
+::
+
+    mode                     global scale (fp32)          block scale before E4M3       zero/tiny scale     element op
+    te_reference             S_enc = fl(2688/amax)        fl(vmax*fl(S_enc*fl(1/6)))    0 kept, enc=FLT_MAX x*fl(1/fl(s*S_dec))
+    vllm_sglang              gs = fl(2688/amax)           fl(gs*fl(vmax*fl(1/6)))       0 kept, enc=0       x*fl(1/fl(s*fl(1/gs)))
+    torchao                  pts = fl(amax/2688)          fl(fl(vmax/6)/pts)            clamp [2^-6, 448]   x*fl(fl(1/pts)/s)
+    torchao_cuda             pts = fl(amax*fl(1/2688))    fl(fl(vmax*fl(1/6))/pts)      clamp [2^-6, 448]   x*fl(fl(1/pts)/s)
+    modelopt_export          w2 = fl(amax/2688)           fl(vmax/fl(6*w2))             exact 0 -> 1.0      x/fl(s*w2)
+    modelopt_export_cuda     w2 = fl(amax*fl(1/2688))     fl(vmax/fl(6*w2))             exact 0 -> 1.0      x/fl(s*w2)
+    compressed_tensors       gs = fl(fl(1/amax)*2688)     fl(gs*fl(vmax/6))             E4M3 0 -> 0.125     x/fl(s/gs)
+    compressed_tensors_cuda  gs = fl(fl(1/amax)*2688)     fl(gs*fl(vmax*fl(1/6)))       E4M3 0 -> 0.125     x/fl(s/gs)
 
 All modes: E4M3 cast round-to-nearest-even, saturating at 448; E2M1 round-to-nearest-even with the
 same saturation at +-6; element ``2j`` in the low nibble; ``fl`` = one IEEE float32 rounding.
@@ -28,12 +27,16 @@ and ``s_enc`` the encode scale it stores or passes to its kernel. Where a librar
 the two, the other is the reciprocal its consumers compute (documented per mode).
 
 **CPU vs CUDA eager PyTorch.** ``tensor / python_scalar`` is an IEEE division on CPU but
-``tensor * fl(1/scalar)`` on CUDA (``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``,
-``div_true_kernel_cuda``: "if the second operand is a CPU scalar, compute a * reciprocal(b)").
+``tensor * fl(1/scalar)`` on CUDA, where a CPU-scalar divisor is turned into a multiplication by its
+reciprocal (``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``, ``div_true_kernel_cuda``).
 Python-level quantizers (torchao, ModelOpt, compressed-tensors) therefore produce different bytes on
 a GPU than on a CPU; the ``*_cuda`` modes emulate the GPU lowering. They are derived from the
 PyTorch source and were not measured on a GPU here. ``python_scalar / tensor`` is
 ``tensor.reciprocal() * scalar`` on every device (``torch/_tensor.py``, ``Tensor.__rtruediv__``).
+
+Note on compressed-tensors: ``prior-art/nvfp4_semantics.md`` §8/§9 evaluate its arithmetic with
+``gs = fl(2688/amax)``; the library's ``448*6 / amax`` on a tensor is two roundings, which moves
+``gs`` by an ulp for many amax values and flips its D1 and D2 examples (see ``tests/test_emulation.py``).
 
 Not emulated: the ``rcp.approx.ftz.f32`` of the vLLM/SGLang/FlashInfer-default CUDA kernels (D3).
 It is off by one ulp from the IEEE reciprocal on ~13 % of inputs and no CPU reference reproduces
