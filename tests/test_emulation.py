@@ -368,6 +368,20 @@ def test_identify_d1_example_and_a_planted_change():
     assert "none of the emulated conventions" in res.summary()
 
 
+def test_identify_d2_example():
+    # D2 block (see test_d2_element_multiplier_per_mode): te_reference and vllm_sglang agree on every byte
+    # and on S_enc, so their bytes name both; torchao and ModelOpt put the tie on code 6 and share the
+    # decode global fl(amax/2688); compressed-tensors has code 5 but its own global (0x442ED44A).
+    x = torch.cat([_row([3.84375]), _row([0.04296875, 205 / 8192, -205 / 8192])], dim=1)
+    te = emulate("te_reference", x)
+    assert identify(te.codes, te.scales, te.s_enc, x, global_is="encode").matches == ("te_reference", "vllm_sglang")
+    ao_data, ao_scales, pts = _torchao(x)
+    got = identify(ao_data, ao_scales, pts, x, global_is="decode").matches
+    assert got == ("torchao", "torchao_cuda", "modelopt_export", "modelopt_export_cuda")  # amax/2688 lowers alike here
+    ct = emulate("compressed_tensors", x)
+    assert identify(ct.codes, ct.scales, ct.s_enc, x, global_is="encode").matches == ("compressed_tensors", "compressed_tensors_cuda")
+
+
 def test_identify_global_conventions():
     x = tie_rich(0.8125, rows=4)
     ct = emulate("compressed_tensors", x)
