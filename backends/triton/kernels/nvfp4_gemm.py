@@ -1,0 +1,254 @@
+"""NVFP4-weight GEMM: ``y = A @ W_hat^T (+ A2 @ W_hat[:, cols]^T) (+ bias)`` with float32 accumulation.
+
+``W_hat`` is decoded in registers from packed E2M1 codes ``[N, K/2]``, E4M3 block-scale bytes
+``[N, K/16]`` and the float32 decode global scale exactly as the reference does
+(``bf16(fl(fl(e2m1 * s_b) * s_dec))``, ``qpass.quant.nvfp4.nvfp4_dequantize``), then multiplied on
+the bf16 tensor cores (``tl.dot``, float32 accumulator). The activation operand ``A`` is bf16 (W4A16
+with bf16 input, or the W4A4 activation ``x_hat`` that the quantization kernel already decoded), or
+float32 for fp16/fp32 W4A16 input (exact products, IEEE float32 dot).
+
+The optional second segment is RAC's compensation term (``qpass.quant.linear``): ``SEG2 == 1`` a
+dense ``[M, K]`` operand over the same weight (masked mode), ``SEG2 == 2`` a gathered ``[M, K']``
+operand whose column ``t`` multiplies weight channel ``idx[t]`` (-1 = padding), decoded from the
+same packed bytes. Both accumulate into the same float32 accumulator (the reference's two float32
+accumulations up to summation order).
+
+Tiles are computed transposed (``acc[BN, BM] = W_tile @ A_tile^T``): the decoded weight is the MMA's
+first operand and the (possibly tiny) token count the second, so decode (M = 1..16) still fills the
+MMA's 64-row dimension. Split-K writes float32 partials that ``_splitk_reduce_kernel`` sums in a
+fixed order (deterministic; no float atomics).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import INTERP, dot_acc, e2m1_value, e4m3_value, to_bf16, to_out, ub
+
+@triton.jit
+def _decode_w_tile(codes3, s3, sdec, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """bytes ``[BN, BK/16, 8]`` + scale bytes ``[BN, BK/16, 1]`` -> decoded weight ``[BN, BK]``.
+
+    Element ``16b + 2j`` is the low nibble of byte ``j`` of block ``b``, ``16b + 2j + 1`` the high
+    nibble; ``join`` + ``reshape`` interleave them back into K order.
+    """
+    c = codes3.to(tl.int32)
+    s = e4m3_value(s3.to(tl.int32))
+    lo = (e2m1_value(c & 15) * s) * sdec
+    hi = (e2m1_value(c >> 4) * s) * sdec
+    if A_F32:
+        lo = to_bf16(lo).to(tl.float32)
+        hi = to_bf16(hi).to(tl.float32)
+    else:
+        lo = to_bf16(lo)
+        hi = to_bf16(hi)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
+@triton.jit
+def _dense_step(acc, a_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb,
+                A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr):
+    """One K tile: load activation/code/scale tiles at ``k0``, decode the weight, accumulate."""
+    if MASK_K:
+        a = tl.load(a_base + k0, mask=rmask[:, None] & ((k0 + ka) < K)[None, :], other=0.0)
+        kin = (k0 + kb * 16) < K
+        codes3 = tl.load(c_base + k0 // 2, mask=nmask[:, None, None] & kin[None, :, None], other=0)
+        s2 = tl.load(s_base + k0 // 16, mask=nmask[:, None] & kin[None, :], other=0)
+    else:  # full tile: masks constant along K, so the loads vectorise
+        a = tl.load(a_base + k0, mask=rmask[:, None], other=0.0)
+        codes3 = tl.load(c_base + k0 // 2, mask=nmask[:, None, None], other=0)
+        s2 = tl.load(s_base + k0 // 16, mask=nmask[:, None], other=0)
+    if A_F32:
+        a = a.to(tl.float32)
+    w = _decode_w_tile(codes3, tl.expand_dims(s2, 2), sdec, A_F32, BN, BK)
+    return dot_acc(w, tl.trans(a), acc)
+
+
+@triton.jit
+def _dense_segment(
+    acc, a_ptr, stride_am, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec, ncols64, nmask,
+    pid_k, SPLIT_K: tl.constexpr, A_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``acc += W_hat[ncols, :] @ A[rows, :]^T`` over this split's K tiles (tile t goes to split t % SPLIT_K)."""
+    ka = tl.arange(0, BK)
+    kb = tl.arange(0, BK // 16)
+    kj = tl.arange(0, 8)
+    rows64 = rows.to(tl.int64)
+    a_base = a_ptr + rows64[:, None] * stride_am + ka[None, :]
+    c_base = w_codes_ptr + ncols64[:, None, None] * stride_wn + (kb[None, :, None] * 8 + kj[None, None, :])
+    s_base = w_scales_ptr + ncols64[:, None] * stride_sn + kb[None, :]
+    k_full = (K // BK) * BK
+    for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K, num_stages=STAGES):
+        acc = _dense_step(acc, a_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK, False)
+    if k_full < K:
+        if (k_full // BK) % SPLIT_K == pid_k:
+            acc = _dense_step(acc, a_base, c_base, s_base, k_full, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK, True)
+    return acc
+
+
+@triton.jit
+def _gathered_segment(
+    acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
+    ncols64, nmask, k_lo, k_step, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):
+    ka = tl.arange(0, BK)
+    rows64 = rows.to(tl.int64)
+    for k0 in tl.range(ub(k_lo), ub(K2), k_step, num_stages=STAGES):
+        kk = k0 + ka
+        a = tl.load(a2_ptr + rows64[:, None] * stride_a2m + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K2), other=0.0)
+        c = tl.load(gidx_ptr + kk, mask=kk < K2, other=-1)
+        valid = nmask[:, None] & (c >= 0)[None, :]
+        cc = tl.maximum(c, 0)
+        byte = tl.load(w_codes_ptr + ncols64[:, None] * stride_wn + (cc >> 1)[None, :], mask=valid, other=0).to(tl.int32)
+        code = (byte >> ((cc & 1) * 4)[None, :]) & 15
+        s = e4m3_value(tl.load(w_scales_ptr + ncols64[:, None] * stride_sn + (cc >> 4)[None, :], mask=valid, other=0).to(tl.int32))
+        w = to_bf16((e2m1_value(code) * s) * sdec)
+        acc = dot_acc(w, tl.trans(a), acc)
+    return acc
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    a_ptr, stride_am,
+    w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, w_sdec_ptr,
+    a2_ptr, stride_a2m, K2, gidx_ptr,
+    bias_ptr, out_ptr, stride_om, ws_ptr,
+    M, N, K, M_BUCKET,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+    SEG2: tl.constexpr, A_F32: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    ncols = pid_n * BN + tl.arange(0, BN)
+    nmask = ncols < N
+    ncols64 = ncols.to(tl.int64)
+    sdec = tl.load(w_sdec_ptr)
+    acc = tl.full((BN, BM), 0.0, tl.float32)
+    acc = _dense_segment(acc, a_ptr, stride_am, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
+                         ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES)
+    if SEG2 == 1:
+        acc = _dense_segment(acc, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
+                             sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES)
+    if SEG2 == 2:
+        acc = _gathered_segment(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr,
+                                stride_sn, sdec, ncols64, nmask, pid_k * BK, BK * SPLIT_K, BM, BN, BK, STAGES)
+    omask = nmask[:, None] & rmask[None, :]
+    rows64 = rows.to(tl.int64)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + ncols, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows64[None, :] * stride_om + ncols64[:, None], to_out(acc, OUT_DTYPE), mask=omask)
+    else:
+        base = ws_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + rows64[None, :] * N + ncols64[:, None], acc, mask=omask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, SPLIT_K):
+        acc = acc + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, to_out(acc, OUT_DTYPE), mask=mask)
+
+
+def _configs(small: bool):
+    cfgs = []
+    if small:
+        for bk in (128, 256):
+            for nw, ns in ((4, 3), (4, 5), (8, 4)):
+                cfgs.append(triton.Config({"BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
+    else:
+        for bn, bm, bk, nw, ns in (
+            (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+            (256, 128, 64, 8, 3), (128, 64, 128, 4, 4),
+        ):
+            cfgs.append(triton.Config({"BN": bn, "BM": bm, "BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
+    return cfgs
+
+
+def _bench(fn, quantiles):
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+if not INTERP:
+    _gemm_small = triton.autotune(configs=_configs(True), key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM"],
+                                  do_bench=_bench)(_nvfp4_gemm_kernel)
+    _gemm_large = triton.autotune(configs=_configs(False), key=["M_BUCKET", "N", "K", "K2", "SEG2"],
+                                  do_bench=_bench)(_nvfp4_gemm_kernel)
+
+
+def _out_tl_dtype(torch_dtype):
+    import torch
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[torch_dtype]
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, gidx=None, num_sms=132):
+    """``out [M, N] = a [M, K] @ W_hat^T (+ second segment) (+ bias)``.
+
+    Args:
+        a: bf16 ``[M, K]`` (tensor-core path) or fp16/fp32 (IEEE float32 path), unit column stride.
+        w_codes, w_scales: uint8 ``[N, K/2]`` / ``[N, K/16]`` (contiguous); w_sdec float32 ``[1]``.
+        out: ``[M, N]`` output (bf16/fp16/fp32), unit column stride.
+        bias: optional ``[N]``.
+        a2: optional second-segment operand, bf16 ``[M, K]`` (dense) or ``[M, K']`` with ``gidx``.
+        gidx: int32 ``[K']`` weight channel per ``a2`` column (-1 = padding) for the gathered segment.
+    """
+    import torch
+
+    m, k = a.shape
+    n = w_codes.shape[0]
+    seg2 = 0 if a2 is None else (2 if gidx is not None else 1)
+    k2 = a2.shape[1] if a2 is not None else 0
+    a_f32 = a.dtype != torch.bfloat16
+    if a_f32 and a2 is not None:
+        raise ValueError("the RAC second segment needs a bf16 activation operand")
+    out_dt = _out_tl_dtype(out.dtype)
+    dummy = w_sdec
+    m_bucket = min(triton.next_power_of_2(m), 4096)
+    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, enable_fp_fusion=False)
+    args = [a, a.stride(0), w_codes, w_codes.stride(0), w_scales, w_scales.stride(0), w_sdec, a2 if a2 is not None else dummy,
+            a2.stride(0) if a2 is not None else 0, k2, gidx if gidx is not None else dummy,
+            bias if bias is not None else dummy, out, out.stride(0)]
+    if INTERP:
+        bm, bn, bk = 16, 32, 64
+        split = 2 if k > 2 * bk else 1
+        ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+        _nvfp4_gemm_kernel[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, num_warps=4,
+                                 **common)
+    elif m <= 64:
+        bm = max(16, triton.next_power_of_2(m))
+        bn = 64
+        tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+        split = max(1, min(8, _pow2_floor((2 * num_sms) // tiles), _pow2_floor(max(1, k // 512))))
+        ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+        _gemm_small[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, SPLIT_K=split, **common)
+    else:
+        split = 1
+        ws = dummy
+        grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(m, meta["BM"]), 1)  # noqa: E731
+        _gemm_large[grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, **common)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, bias if bias is not None else dummy, out, out.stride(0), m, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, BLOCK=block, num_warps=4,
+        )
