@@ -17,6 +17,7 @@ per-tensor activation global scale), W4A4 with per-token global scales, or W4A16
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import torch
@@ -33,9 +34,10 @@ from .common import aten_linear_nodes, bias_arg, copy_meta, grouped, selected
 ACT_SPECS = {"nvfp4": NVFP4_ACT.key, "nvfp4_per_token": NVFP4_ACT_PER_TOKEN.key, "none": None}
 
 
-def constant_names(site_id: str) -> tuple[str, str, str]:
-    base = "qpass_w__" + site_id
-    return base + "__codes", base + "__scales", base + "__s_dec"
+def constant_names(site_id: str) -> tuple[str, str, str, str]:
+    """Buffer names of a site's codes, scale bytes, S_dec (read by the op) and S_enc (exported only)."""
+    base = re.sub(r"[^0-9a-zA-Z_]", "_", "qpass_w__" + site_id)
+    return base + "__codes", base + "__scales", base + "__s_dec", base + "__s_enc"
 
 
 def quantize_site_weights(weights: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, object]:
@@ -75,7 +77,8 @@ class _NVFP4Lower(Pass):
             for s in members:
                 q = quantized[s.id]
                 first = nodes[s.id][0]
-                cn, sn, dn = constant_names(s.id)
+                cn, sn, dn, en = constant_names(s.id)
+                qg.gm.register_buffer(en, q.s_enc)  # not read by the graph; exported as weight_global_scale
                 consts = [qg.add_constant(cn, q.codes, before=first), qg.add_constant(sn, q.scales, before=first),
                           qg.add_constant(dn, q.s_dec, before=first)]
                 for lin in nodes[s.id]:
@@ -90,7 +93,7 @@ class _NVFP4Lower(Pass):
                 qg.quant[s.id] = {
                     "kind": "nvfp4_linear", "spec": NVFP4_WEIGHT.key, "act_spec": ACT_SPECS[act], "group": gid,
                     "members": [m.id for m in members], "weight": s.weight,
-                    "constants": {"codes": consts[0].target, "scales": consts[1].target, "s_dec": consts[2].target},
+                    "constants": {"codes": consts[0].target, "scales": consts[1].target, "s_dec": consts[2].target, "s_enc": en},
                 }
                 res.sites.append(s.id)
         res.matches = len(res.sites)

@@ -89,19 +89,28 @@ def _dispatch(op: str, device: torch.device) -> Callable[..., torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # Dequantized-weight cache for the reference backend: a weight buffer is decoded once per version.
-_WHAT_CACHE: "OrderedDict[tuple[int, int, int, int], torch.Tensor]" = OrderedDict()
+# Keyed by storage addresses; an entry is valid only while it still refers to the *same* tensor
+# objects (weak references) at the same in-place versions, so a freed-and-reused address or an
+# in-place weight sync can never serve a stale decode.
+_WHAT_CACHE: "OrderedDict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor]]" = OrderedDict()
 _WHAT_CACHE_MAX = 512
 
 
-def cached_weight(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Memoise a decoded weight by (storage pointer, in-place version) of its codes and scales."""
-    key = (codes.data_ptr(), codes._version, scales.data_ptr(), scales._version + 1000003 * s_dec._version)
+def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Memoise ``make()`` (a decoded weight) on the identity and in-place version of ``parts``."""
+    import weakref
+
+    key = tuple(t.data_ptr() for t in parts)
+    versions = tuple(t._version for t in parts)
     hit = _WHAT_CACHE.get(key)
     if hit is not None:
-        _WHAT_CACHE.move_to_end(key)
-        return hit
+        refs, vers, val = hit
+        if vers == versions and all(r() is t for r, t in zip(refs, parts)):
+            _WHAT_CACHE.move_to_end(key)
+            return val
     val = make()
-    _WHAT_CACHE[key] = val
+    _WHAT_CACHE[key] = (tuple(weakref.ref(t) for t in parts), versions, val)
+    _WHAT_CACHE.move_to_end(key)
     if len(_WHAT_CACHE) > _WHAT_CACHE_MAX:
         _WHAT_CACHE.popitem(last=False)
     return val
@@ -122,7 +131,7 @@ def _nvfp4_linear_ref(
     rac_channels: torch.Tensor | None,
 ) -> torch.Tensor:
     w = NVFP4Tensor.from_parts(w_codes, w_scales, w_s_dec)
-    w_hat = cached_weight(w_codes, w_scales, w_s_dec, lambda: nvfp4_dequantize(w, torch.bfloat16))
+    w_hat = cached_weight((w_codes, w_scales, w_s_dec), lambda: nvfp4_dequantize(w, torch.bfloat16))
     if act == "none":
         return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
     rac = RACConfig(rac_ratio, rac_mode, rac_selection) if rac_ratio > 0 else None
@@ -167,7 +176,7 @@ def _fp8_linear_ref(x, w_data, w_scale, bias, site, act_granularity, w_granulari
     w = FP8Tensor(data=w_data, scale=w_scale, shape=w_data.shape, orig_dtype=torch.bfloat16, spec=_fp8_spec(w_granularity, "weight"))
     from .quant.fp8 import fp8_dequantize
 
-    w_deq = cached_weight(w_data.view(torch.uint8), w_scale, w_scale, lambda: fp8_dequantize(w, torch.float32))
+    w_deq = cached_weight((w_data, w_scale), lambda: fp8_dequantize(w, torch.float32))
     return fp8_linear_reference(x, w, bias, act_spec=_fp8_spec(act_granularity, "activation"), w_deq=w_deq, site=site)
 
 

@@ -172,7 +172,8 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
 
     Raises:
         RecipeError: YAML syntax error, unknown top-level key, unknown pass or check, unknown or
-            invalid option, pass on the wrong side; messages start with ``path:line:``.
+            invalid option, pass on the wrong side, passes in an order that breaks a ``requires``;
+            messages start with ``path:line:`` (ordering errors name the recipe lines).
     """
     load_builtin_passes()
     try:
@@ -202,6 +203,13 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
             raise RecipeError(f"{_loc(path, node)}: '{side}:' must be a list")
         for item in node.value:
             lists[side].append(_parse_check(item, path) if side == "parity" else _parse_pass(item, path, side))
+    from .pm import validate_order
+
+    try:
+        validate_order(lists["learner"], {"sites_stamped"})
+        validate_order(lists["rollout"], {"sites_stamped"})
+    except RecipeError as exc:
+        raise RecipeError(f"{path}: {exc}") from None
     return Recipe(
         name=str(_plain(top["name"][1])),
         description=str(_plain(top["description"][1])) if "description" in top else "",

@@ -66,7 +66,7 @@ def sync_weights(learner: QGraph, rollout: QGraph) -> SyncReport:
         for sid in sids:
             consts = rollout.quant[sid]["constants"]
             q = quantized[sid]
-            for key, val in (("codes", q.codes), ("scales", q.scales), ("s_dec", q.s_dec)):
+            for key, val in (("codes", q.codes), ("scales", q.scales), ("s_dec", q.s_dec), ("s_enc", q.s_enc)):
                 rollout.gm.get_buffer(consts[key]).copy_(val)
             parts += [q.codes, q.scales, q.s_dec]
             requantized += 1

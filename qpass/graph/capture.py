@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 import time
 import warnings
@@ -59,6 +60,9 @@ class StepWrapper(torch.nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
         self.cache.early_initialization(batch_size, cfg.num_key_value_heads, head_dim, param.dtype, param.device)
+        # transformers >= 5.20 names the argument `cache`; older 5.x `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         for i, layer in enumerate(self.cache.layers):
             self.register_buffer(f"kv_keys_{i}", layer.keys, persistent=False)
             self.register_buffer(f"kv_values_{i}", layer.values, persistent=False)
@@ -73,9 +77,9 @@ class StepWrapper(torch.nn.Module):
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            cache=self.cache,
             cache_position=cache_position,
             use_cache=True,
+            **{self._cache_kw: self.cache},
         ).logits
 
 

@@ -1,0 +1,129 @@
+"""Plots and the markdown summary of ``qpass apply`` (matplotlib, headless Agg backend)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+ROLE_COLORS = {"q_proj": "tab:blue", "k_proj": "tab:cyan", "v_proj": "tab:purple", "o_proj": "tab:gray",
+               "gate_proj": "tab:orange", "up_proj": "tab:red", "down_proj": "tab:green"}
+
+
+def plot_activation_mismatch(rel: dict[str, float], path: Path, title: str) -> None:
+    """Per-site relative input mismatch ||X_roll - X_learn|| / ||X_learn|| in graph order."""
+    plt = _plt()
+    sites = list(rel)
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    for role, color in ROLE_COLORS.items():
+        xs = [i for i, s in enumerate(sites) if s.endswith(role)]
+        ax.scatter(xs, [rel[sites[i]] for i in xs], s=10, color=color, label=role)
+    other = [i for i, s in enumerate(sites) if not any(s.endswith(r) for r in ROLE_COLORS)]
+    if other:
+        ax.scatter(other, [rel[sites[i]] for i in other], s=10, color="black", label="other")
+    ax.set_yscale("log")
+    ax.set_xlabel("linear site (graph order)")
+    ax.set_ylabel("relative input mismatch")
+    ax.set_title(title)
+    ax.legend(ncol=8, fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_residual_heatmap(resid: torch.Tensor, channels: torch.Tensor | None, path: Path, title: str) -> None:
+    """Heatmap of |X - DQ(Q_A(X))| (tokens x channels), selected RAC channels marked below."""
+    plt = _plt()
+    r = resid.float().abs().cpu()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 5), height_ratios=[5, 1], sharex=True)
+    im = ax.imshow(torch.log10(r + 1e-6).numpy(), aspect="auto", cmap="magma", interpolation="nearest")
+    fig.colorbar(im, ax=[ax, ax2], label="log10 |residual|")
+    ax.set_ylabel("token")
+    ax.set_title(title)
+    per_ch = r.pow(2).sum(0).sqrt()
+    ax2.plot(per_ch.numpy(), lw=0.7, color="black")
+    if channels is not None and channels.numel():
+        ch = channels.flatten().unique().cpu()
+        ax2.scatter(ch.numpy(), per_ch[ch].numpy(), s=3, color="tab:red", label="compensated (first batch)")
+        ax2.legend(fontsize=7)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("input channel")
+    ax2.set_ylabel("||R[:, j]||")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gap_histogram(d: torch.Tensor, d_floor: torch.Tensor | None, path: Path, title: str) -> None:
+    """Histogram of d = log p - log q over valid tokens (recipe vs the BF16 floor)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    vals = [x for x in (d, d_floor) if x is not None and x.numel()]
+    lo = min(float(x.min()) for x in vals) if vals else -1.0
+    hi = max(float(x.max()) for x in vals) if vals else 1.0
+    bins = torch.linspace(lo, hi, 61).numpy() if hi > lo else 60
+    if d.numel():
+        ax.hist(d.numpy(), bins=bins, alpha=0.6, label=f"recipe (mean |d| {d.abs().mean():.4f})", color="tab:red")
+    if d_floor is not None and d_floor.numel():
+        ax.hist(d_floor.numpy(), bins=bins, alpha=0.6, label=f"bf16 floor (mean |d| {d_floor.abs().mean():.4f})", color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_xlabel("d = log p(learner) - log q(rollout)  [nats]")
+    ax.set_ylabel("tokens")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "**NO**"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """Human-readable summary of a report dict (the same numbers as report.json)."""
+    p = report["parity"]
+    lines = [f"# qpass apply: {report['recipe']['name']}", "",
+             f"Model: {report['model']['name']} ({report['model']['dtype']}, {report['model']['device']}, kernels: {report['kernels']})", "",
+             report["recipe"].get("description", ""), "",
+             "## Parity", "", "| check | result |", "| --- | --- |",
+             f"| structural | {_fmt(p['structural_ok'])} |",
+             f"| weights bit-exact | {_fmt(p['weights_bitexact'])} ({len(p['mismatched_groups'])} mismatched groups) |"]
+    for c in p["checks"]:
+        lines.append(f"| {c['check']} | {_fmt(c['ok'])} {c.get('detail', '')} |")
+    lines += ["", "## Log-prob gap (d = log p - log q, valid sampled tokens, token mean)", "",
+              "| pair | mean abs | max abs | K1 | K3 | tokens |", "| --- | --- | --- | --- | --- | --- |"]
+    for label, key in (("recipe", "logprob_gap"), ("bf16 floor", "floor_logprob_gap")):
+        g = p.get(key)
+        if g:
+            lines.append(f"| {label} | {_fmt(g['mean_abs'])} | {_fmt(g['max_abs'])} | {_fmt(g['k1'])} | {_fmt(g['k3'])} | {g['tokens']} |")
+    s = report["sites"]
+    lines += ["", "## Sites", "", f"total linear sites {s['total']}; learner QDQ {s['learner_qdq']}; rollout W4A4 {s['rollout_w4a4']}; "
+              f"W4A16 {s['rollout_w4a16']}; FP8 {s['rollout_fp8']}; RAC {s['rac']}", "",
+              "## Passes", "", "| side | pass | line | matches | skipped | seconds |", "| --- | --- | --- | --- | --- | --- |"]
+    for h in report["passes"]:
+        lines.append(f"| {h['side']} | {h['name']} | {h.get('line') or ''} | {h['matches']} | {len(h['skipped'])} | {h['elapsed_s']:.2f} |")
+    if report.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in report["plots"].items()]
+    if p.get("problems"):
+        lines += ["", "## Problems", ""] + [f"- {x}" for x in p["problems"]]
+    return "\n".join(lines) + "\n"
