@@ -128,8 +128,12 @@ def _pick_rac_site(rollout: QGraph, acts: dict[str, torch.Tensor]) -> str | None
     return max(cands, key=lambda s: float(acts[s].abs().max()))
 
 
-def run_apply(recipe_ref: str, out: Path, o: ApplyOptions) -> tuple[int, dict[str, Any]]:
-    """Run the main job. Returns (exit status, report)."""
+def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = None) -> tuple[int, dict[str, Any]]:
+    """Run the main job. Returns (exit status, report).
+
+    ``pipeline`` (tests, notebooks): reuse an already captured :class:`qpass.pipeline.Pipeline`
+    instead of loading and capturing again; its step graph must have room for the probe.
+    """
     from .backends.torch import TorchRollout  # noqa: F401 - import check before long work
     from .diagnostics.layerwise import residual_channel_map
     from .ops import use_kernels
@@ -152,13 +156,20 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions) -> tuple[int, dict[st
             from .pipeline import DTYPES
 
             t0 = time.perf_counter()
-            lm = load_model(o.model, dtype=DTYPES[o.dtype], device=o.device)
+            lm = pipeline.loaded if pipeline is not None else load_model(o.model, dtype=DTYPES[o.dtype], device=o.device)
             prompts = encode_chat(lm.tokenizer, probe_prompts(gopt.prompts))
             rows = len(prompts) * gopt.samples_per_prompt
             bsz = min(o.batch_size, rows)
             max_len = max(len(p) for p in prompts) + gopt.max_new_tokens + 1
-            pipe = Pipeline.prepare(o.model, batch_size=bsz, max_len=max_len, loaded=lm)
-            pipe.timings["load_s"] = time.perf_counter() - t0 - pipe.timings["capture_scoring_s"] - pipe.timings["capture_step_s"]
+            if pipeline is None:
+                pipe = Pipeline.prepare(o.model, batch_size=bsz, max_len=max_len, loaded=lm)
+                pipe.timings["load_s"] = time.perf_counter() - t0 - pipe.timings["capture_scoring_s"] - pipe.timings["capture_step_s"]
+            else:
+                pipe = pipeline
+                bsz, cap = pipe.base_step.captured.batch_size, pipe.base_step.captured.max_len
+                if cap < max_len:
+                    raise QpassError(f"the given pipeline's KV cache has {cap} slots; the probe needs {max_len}")
+                max_len = cap
             timings.update(pipe.timings)
         con.print(f"[bold]captured[/] {len(pipe.base_scoring.sites)} linear sites "
                   f"(scoring {timings['capture_scoring_s']:.1f}s, step {timings['capture_step_s']:.1f}s)")
@@ -308,8 +319,11 @@ def _print_summary(con: Any, report: dict[str, Any], out: Path) -> None:
     con.print(f"wrote {out}/report.json ({'ok' if report['ok'] else 'FAILED'})")
 
 
-def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False) -> tuple[int, dict[str, Any]]:
-    """``qpass check DIR`` (saved artifacts) or ``qpass check RECIPE`` (fresh graphs, no outputs)."""
+def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipeline: Any = None) -> tuple[int, dict[str, Any]]:
+    """``qpass check DIR`` (saved artifacts) or ``qpass check RECIPE`` (fresh graphs, no outputs).
+
+    ``pipeline``: reuse a captured :class:`qpass.pipeline.Pipeline` (tests).
+    """
     from .ops import use_kernels
     from .parity.checker import check_structural, check_weights_bitexact
     from .pipeline import Pipeline
@@ -327,7 +341,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False) -> tupl
     else:
         recipe, model, bsz, max_len = load_recipe(target), o.model, 4, 64
     with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
-        pipe = Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
+        pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
         learner, rollout = pipe.build(recipe, debug=True)
         loaded = {}
         if saved:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import CaptureError
 from .graph.capture import capture_scoring, capture_step
 from .graph.model import LoadedModel, load_model
 from .graph.qgraph import QGraph
@@ -64,10 +65,15 @@ class Pipeline:
         t0 = time.perf_counter()
         lm = loaded or load_model(model, dtype=dt, device=device)
         timings["load_s"] = time.perf_counter() - t0
-        sc = capture_scoring(lm.model)
-        st = capture_step(lm.model, batch_size=batch_size, max_len=max_len)
-        timings["capture_scoring_s"], timings["capture_step_s"] = sc.export_s, st.export_s
-        return cls(lm, QGraph.from_capture(sc), QGraph.from_capture(st), timings)
+        sc = QGraph.from_capture(capture_scoring(lm.model))
+        if not sc.sites:
+            raise CaptureError(
+                f"{lm.name}: the captured graph has no linear projection (aten.linear with a weight parameter); "
+                "qpass quantizes linear layers, so there is nothing to do"
+            )
+        st = QGraph.from_capture(capture_step(lm.model, batch_size=batch_size, max_len=max_len))
+        timings["capture_scoring_s"], timings["capture_step_s"] = sc.captured.export_s, st.captured.export_s
+        return cls(lm, sc, st, timings)
 
     def build(
         self,

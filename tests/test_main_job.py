@@ -1,0 +1,132 @@
+"""The main job on the real default model (SmolLM2-135M-Instruct): apply, artifacts, check, training step.
+
+Slow tier (loads the 135M model once per session via the shared fixture); part of the default suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qpass.apply import ApplyOptions, run_apply, run_check
+from qpass.backends.torch import TorchLearner, sync_weights
+from qpass.cli import main as cli_main
+from qpass.errors import CaptureError
+from qpass.parity.checker import check_weights_bitexact
+from qpass.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+SITE = "model.layers.7.mlp.up_proj"
+
+
+@pytest.fixture(scope="module")
+def quads_run(default_pipeline, tmp_path_factory):
+    out = tmp_path_factory.mktemp("apply") / "quads"
+    o = ApplyOptions(prompts=2, samples=2, max_new_tokens=8, batch_size=4)
+    status, report = run_apply("quads_nvfp4", out, o, pipeline=default_pipeline)
+    return status, report, out
+
+
+def test_apply_quads_report(quads_run):
+    status, report, out = quads_run
+    assert status == 0 and report["ok"]
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["recipe"]["name"] == "quads_nvfp4" and on_disk["model"]["name"].startswith("SmolLM2-135M")
+    s = on_disk["sites"]
+    assert (s["total"], s["learner_qdq"], s["rollout_w4a4"], s["rac"]) == (211, 210, 210, 60)
+    assert s["uncaptured"] == []
+    assert [(p["name"], p["matches"]) for p in on_disk["passes"]] == [("weight_qdq", 210), ("w4a4_lower", 210), ("residual_compensation", 60)]
+    par = on_disk["parity"]
+    assert par["structural_ok"] is True and par["weights_bitexact"] is True and par["mismatched_groups"] == []
+    for key in ("logprob_gap", "floor_logprob_gap"):
+        g = par[key]
+        assert set(g) >= {"mean_abs", "max_abs", "k1", "k3", "tokens"} and g["tokens"] > 0
+        assert g["max_abs"] >= g["mean_abs"] > 0 and g["k3"] >= 0
+    # W4A4 activations make the recipe's gap larger than the BF16 engine-drift floor
+    assert par["logprob_gap"]["mean_abs"] > par["floor_logprob_gap"]["mean_abs"]
+    for f in ("report.md", "activation_mismatch.png", "residual_heatmap.png", "logprob_gap_hist.png",
+              "rollout/weights.safetensors", "rollout/hf_quant_config.json", "rollout/recipe.yaml", "learner/model.safetensors"):
+        assert (out / f).is_file(), f
+    assert not list(out.parent.glob(".quads.partial-*"))
+    w = load_file(str(out / "rollout" / "weights.safetensors"))
+    assert w[f"{SITE}.weight"].dtype == torch.uint8 and w[f"{SITE}.weight"].shape == (1536, 288)
+    assert w[f"{SITE}.weight_scale"].dtype == torch.float8_e4m3fn and w[f"{SITE}.weight_scale"].shape == (1536, 36)
+    assert w[f"{SITE}.weight_scale_2"].dtype == torch.float32 and w[f"{SITE}.weight_scale_2"].dim() == 0
+    # both global conventions are stored; the gate and up halves of one MLP share them (one group amax)
+    gate = SITE.replace("up_proj", "gate_proj")
+    assert torch.equal(w[f"{SITE}.weight_scale_2"], w[f"{gate}.weight_scale_2"])
+    assert torch.equal(w[f"{SITE}.weight_global_scale"], w[f"{gate}.weight_global_scale"])
+
+
+def test_check_passes_then_fails_naming_a_planted_scale_bit(quads_run, default_pipeline, tmp_path):
+    _, _, out = quads_run
+    status, res = run_check(str(out), ApplyOptions(), pipeline=default_pipeline)
+    assert status == 0 and res["weights_bitexact"] is True and res["loaded"]["rollout_tensors"] == 3 * 210
+    path = out / "rollout" / "weights.safetensors"
+    tensors = load_file(str(path))
+    raw = tensors[f"{SITE}.weight_scale"].view(torch.uint8)
+    raw[100, 7] ^= 0x01
+    save_file(tensors, str(path))
+    status, res = run_check(str(out), ApplyOptions(), pipeline=default_pipeline)
+    assert status == 1 and res["weights_bitexact"] is False
+    assert res["mismatched_groups"] == [SITE.replace("up_proj", "gate_up")]
+    assert any(f.startswith(f"{SITE}: 1/") and "(first at (100, 7))" in f for f in res["failures"])
+
+
+def test_learner_step_changes_codes_and_resync_passes(default_pipeline):
+    learner, rollout = default_pipeline.build(load_recipe("quads_nvfp4"))
+    rec = rollout.quant[SITE]["constants"]
+    before = rollout.gm.get_buffer(rec["codes"]).clone()
+    le = TorchLearner(learner)
+    ids = torch.randint(10, 40000, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.Adam([p for p in le.parameters() if p.requires_grad], lr=1e-3)
+    (-le.token_logprobs(ids, torch.ones_like(ids)).mean()).backward()
+    opt.step()
+    sync_weights(learner, rollout)
+    after = rollout.gm.get_buffer(rec["codes"])
+    changed = (after != before).float().mean().item()
+    assert 0.0 < changed < 1.0
+    assert check_weights_bitexact(learner, rollout).ok
+
+
+def test_cli_bad_inputs_exit_2_and_leave_nothing(tmp_path, capsys):
+    assert cli_main(["apply", "quads_nvfp4", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nrollout:\n  - pass: w4a4_lower\n    act: fp4\n")
+    assert cli_main(["apply", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "bad.yaml:3:" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert cli_main(["aply"]) == 2 and "did you mean 'apply'" in capsys.readouterr().err
+
+
+def test_interrupted_apply_leaves_no_output_dir(default_pipeline, tmp_path, monkeypatch):
+    import qpass.parity.behavior as behavior
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(behavior, "logprob_gap", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_apply("naive_nvfp4", tmp_path / "o", ApplyOptions(prompts=1, samples=1, max_new_tokens=4), pipeline=default_pipeline)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_without_linear_layers_is_a_clear_error():
+    from qpass.graph.model import LoadedModel
+    from qpass.pipeline import Pipeline
+
+    class NoLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 8)
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            return type("Out", (), {"logits": self.emb(input_ids)})()
+
+    with pytest.raises(CaptureError, match="no linear projection"):
+        Pipeline.prepare(loaded=LoadedModel(NoLinear(), None, "no-linear", "test"))

@@ -1,0 +1,67 @@
+"""Recipe schema: every bad input is a RecipeError that names file:line; built-ins validate."""
+
+from __future__ import annotations
+
+import pytest
+
+from qpass.errors import RecipeError
+from qpass.recipe import builtin_recipes, load_recipe, parse_recipe
+
+
+def _err(text: str) -> str:
+    with pytest.raises(RecipeError) as ei:
+        parse_recipe(text, "r.yaml")
+    return str(ei.value)
+
+
+def test_builtin_recipes_all_validate_and_have_expected_passes():
+    names = set(builtin_recipes())
+    assert names == {"bf16", "w4a16_qat", "naive_nvfp4", "quads_nvfp4", "w4a4_qat", "fp8_block"}
+    q = load_recipe("quads_nvfp4")
+    assert [p.name for p in q.learner] == ["weight_qdq"]
+    assert [p.name for p in q.rollout] == ["w4a4_lower", "residual_compensation"]
+    rac = q.rollout[1].options
+    assert (rac.ratio, rac.mode, rac.selection) == (0.5, "masked", "batch")
+    assert rac.targets == ["*.mlp.gate_proj", "*.mlp.up_proj"]
+    assert [c.check for c in q.parity] == ["structural", "weights_bitexact", "logprob_gap"]
+    assert load_recipe("bf16").learner == [] and load_recipe("bf16").rollout == []
+    assert [p.name for p in load_recipe("w4a4_qat").learner] == ["weight_qdq", "act_qdq"]
+    assert load_recipe("w4a16_qat").rollout[0].options.act == "none"
+
+
+def test_unknown_key_in_pass_names_line_and_suggests():
+    msg = _err("name: x\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    ratoi: 0.5\n")
+    assert msg.startswith("r.yaml:5:") and "'ratoi'" in msg and "did you mean 'ratio'" in msg
+
+
+def test_unknown_pass_and_unknown_top_level_key():
+    assert "unknown pass 'w4a4_lowr'" in _err("name: x\nrollout:\n  - pass: w4a4_lowr\n")
+    assert "did you mean 'w4a4_lower'" in _err("name: x\nrollout:\n  - pass: w4a4_lowr\n")
+    msg = _err("name: x\nrollouts: []\n")
+    assert msg.startswith("r.yaml:2:") and "did you mean 'rollout'" in msg
+
+
+def test_bad_values_and_missing_name():
+    assert "ratio" in _err("name: x\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    ratio: 1.5\n")
+    assert "mode" in _err("name: x\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    mode: sparse\n")
+    assert "no 'name:'" in _err("learner: []\n")
+    assert "YAML syntax error" in _err("name: [unclosed\n")
+
+
+def test_wrong_side_and_order_errors_name_lines():
+    msg = _err("name: x\nlearner:\n  - pass: w4a4_lower\n")
+    assert msg.startswith("r.yaml:3:") and "cannot run on the learner side" in msg
+    msg = _err("name: x\nrollout:\n  - pass: residual_compensation\n  - pass: w4a4_lower\n")
+    assert "recipe line 3" in msg and "recipe line 4" in msg and "move 'residual_compensation' after 'w4a4_lower'" in msg
+
+
+def test_parity_checks_validate():
+    assert "unknown parity check" in _err("name: x\nparity:\n  - check: bitexact\n")
+    r = parse_recipe("name: x\nparity:\n  - check: logprob_gap\n    prompts: 3\n    max_abs_gap: 0.5\n")
+    assert r.check("logprob_gap").prompts == 3 and r.check("logprob_gap").max_abs_gap == 0.5
+    assert "unknown key 'tokens'" in _err("name: x\nparity:\n  - check: logprob_gap\n    tokens: 3\n")
+
+
+def test_missing_recipe_lists_builtins():
+    with pytest.raises(RecipeError, match="built-in recipes: .*quads_nvfp4"):
+        load_recipe("recipes/does_not_exist.yaml")
