@@ -61,21 +61,22 @@ def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None):
 
 def w4a16_linear_triton(
     x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
-    bias: torch.Tensor | None = None, *, site: str | None = None,
+    bias: torch.Tensor | None = None, *, site: str | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``x.dtype``.
+    """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``out_dtype or x.dtype``.
 
     Args:
         x: bf16 (tensor cores) or fp16/fp32 (exact float32 products) ``[..., K]``.
         w_codes: uint8 ``[N, K/2]``; w_scales: e4m3 (or uint8 bytes) ``[N, K/16]``; w_s_dec: float32
             decode global scale (one element).
         bias: optional ``[N]``.
+        out_dtype: output dtype (default ``x.dtype``; float32 exposes the float32 accumulator).
     Source: ``qpass.quant.linear.w4a16_linear_reference``.
     """
     k = x.shape[-1]
     codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
     x2 = as_rows(x)
-    y = _gemm(x2, codes, scales, sdec, bias, x.dtype)
+    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -97,7 +98,7 @@ def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> 
 def w4a4_linear_triton(
     x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
     bias: torch.Tensor | None = None, *, act_spec: NVFP4Spec, rac: RACConfig | None = None,
-    static_channels: torch.Tensor | None = None, site: str | None = None,
+    static_channels: torch.Tensor | None = None, site: str | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """W4A4 linear with dynamic NVFP4 activation quantization and optional RAC.
 
@@ -107,8 +108,9 @@ def w4a4_linear_triton(
         act_spec: activation spec (per-tensor or per-token dynamic global scale).
         rac: residual compensation options (None or 0 channels: plain W4A4).
         static_channels: calibrated channels for ``rac.selection == 'static'``.
+        out_dtype: output dtype (default ``x.dtype``).
     Returns:
-        ``[..., N]`` in ``x.dtype``.
+        ``[..., N]`` in ``out_dtype or x.dtype``.
     Source: ``qpass.quant.linear.w4a4_linear_reference``.
     """
     k = x.shape[-1]
@@ -116,10 +118,10 @@ def w4a4_linear_triton(
     check_shape(x, "nvfp4_quantize", BLOCK, "activation", site)
     x2 = as_rows(x)
     if rac is None or rac_num_channels(k, rac.ratio) == 0:  # the reference's plain-W4A4 rule
-        y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, x.dtype)
+        y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, out_dtype or x.dtype)
     else:
-        ops = rac_run(x2, rac, act_spec, static_channels=static_channels, site=site, parity=False)
-        y = _gemm(ops.x_hat, codes, scales, sdec, bias, x.dtype, a2=ops.comp, gidx=ops.gather_idx)
+        ops = rac_run(x2, rac, act_spec, static_channels=static_channels, site=site, outputs="gemm")
+        y = _gemm(ops.x_hat, codes, scales, sdec, bias, out_dtype or x.dtype, a2=ops.comp, gidx=ops.gather_idx)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 

@@ -68,21 +68,28 @@ def rac_run(
     *,
     static_channels: torch.Tensor | None = None,
     site: str | None = None,
-    parity: bool = True,
+    outputs: str = "parity",
 ) -> RACOperands:
     """Run the RAC pipeline on ``x [M, K]`` (bf16/fp16/fp32, ``K % 16 == 0``).
 
     Args:
         x, cfg, act_spec, static_channels, site: as :func:`qpass.quant.rac.rac_reference`.
-        parity: also write every byte the reference returns (``qa``/``qr`` codes and scales,
-            channels, gather index) and build a :class:`RACResult`; False writes only what the
-            GEMM needs.
+        outputs: ``"parity"``: everything the reference returns (``qa``/``qr`` bytes, ``x_hat``,
+            ``comp``, channels, gather index, and ``residual`` formed in torch) as a
+            :class:`RACResult`; ``"gemm"``: only the GEMM operands (``x_hat``, ``comp``, index);
+            ``"bytes"``: only the quantized bytes (``qa``, ``qr``, channels, index) in a
+            :class:`RACResult` whose ``x_hat``/``comp``/``residual`` are None.
     Raises:
         QuantizationError: bad shape/dtype; with sync checks on: NaN/inf input, out-of-range
             static channels; ``k == 0`` (callers use plain W4A4 then).
     """
     if x.dim() != 2:
         raise QuantizationError(f"RAC expects [M, K], got shape={tuple(x.shape)} at site {site}")
+    if outputs not in ("parity", "gemm", "bytes"):
+        raise ValueError(f"outputs must be 'parity', 'gemm' or 'bytes', got {outputs!r}")
+    parity = outputs == "parity"
+    want_bytes = outputs in ("parity", "bytes")
+    want_ops = outputs in ("parity", "gemm")
     check_shape(x, "nvfp4_quantize", BLOCK, "activation", site)
     x2 = as_rows(x)
     m, kd = x2.shape
@@ -116,12 +123,12 @@ def rac_run(
 
     # 2. fused activation quantization + residual statistics
     n_glob = m if per_row else 1
-    write_qa = parity or gathered
+    write_qa = want_bytes or gathered
     qa_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if write_qa else None
     qa_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if write_qa else None
     qa_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
     qa_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
-    x_hat = torch.empty(m, kd, dtype=torch.bfloat16, device=dev)
+    x_hat = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
     scores = torch.zeros(kd, dtype=torch.int64, device=dev) if sel == "batch" else None
     need_rstats = not (gathered and per_row)
     rcolmax = torch.zeros(kd, dtype=torch.int32, device=dev) if need_rstats else None
@@ -147,16 +154,16 @@ def rac_run(
         else:
             mask = torch.zeros(m, kd, dtype=torch.int8, device=dev).scatter_(1, ch, 1)
         amax_r = rrowmax.view(torch.float32) if per_row else rcolmax.amax().reshape(1).view(torch.float32)
-        comp = torch.empty(m, kd, dtype=torch.bfloat16, device=dev)
-        qr_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if parity else None
-        qr_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if parity else None
-        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if parity else None
-        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if parity else None
+        comp = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
+        qr_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
         lib.rac.launch_residual_masked(
             x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec
         )
         gemm_comp, gidx = comp, None
-        if parity:
+        if want_bytes:
             qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, amax_r.clone(), (m, kd), torch.float32, act_spec, per_row)
     else:
         kp = max(ceil16(k), BLOCK)
@@ -168,12 +175,12 @@ def rac_run(
             amax_g = rcolmax.view(torch.float32).index_select(0, ch).amax().reshape(1)
         else:  # token selection, per-tensor residual scale: max |R| over each row's own channels
             amax_g = torch.gather(rabs, 1, ch).amax().reshape(1)
-        comp_g = torch.empty(m, kp, dtype=torch.bfloat16, device=dev)
-        dense = torch.zeros(m, kd, dtype=torch.bfloat16, device=dev) if ch.dim() == 2 else None
-        qr_codes = torch.empty(m, kp // 2, dtype=torch.uint8, device=dev) if parity else None
-        qr_scales = torch.empty(m, kp // BLOCK, dtype=torch.uint8, device=dev) if parity else None
-        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if parity else None
-        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if parity else None
+        comp_g = torch.empty(m, kp, dtype=torch.bfloat16, device=dev) if want_ops else None
+        dense = torch.zeros(m, kd, dtype=torch.bfloat16, device=dev) if ch.dim() == 2 and want_ops else None
+        qr_codes = torch.empty(m, kp // 2, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_scales = torch.empty(m, kp // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
         lib.rac.launch_residual_gathered(
             x2, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row,
             codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec,
@@ -181,15 +188,15 @@ def rac_run(
         gemm_comp, gidx = (dense, None) if dense is not None else (comp_g, idx)
         comp = comp_g
         gather_index = idx.to(torch.int64)
-        if parity:
+        if want_bytes:
             qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, None if amax_g is None else amax_g.clone(), (m, kp),
                       torch.float32, act_spec, per_row)
 
     result = None
-    if parity:
+    if want_bytes:
         amax_qa = amax_x.reshape(m, 1) if per_row else amax_x.clone().reshape(())
         qa = _nvt(qa_codes, qa_scales, qa_senc, qa_sdec, amax_qa, (m, kd), x.dtype, act_spec, per_row)
-        residual = x2.float() - x_hat.float()
+        residual = x2.float() - x_hat.float() if parity else None
         result = RACResult(x_hat, comp, ch, gather_index, qa, qr, residual)
     return RACOperands(x_hat=x_hat, comp=gemm_comp, gather_idx=gidx, result=result)
 
@@ -207,4 +214,4 @@ def rac_triton(
     ``residual`` is formed on request here (``x - x_hat`` in float32) for parity; the kernels never
     store it. Raises as :func:`rac_run`.
     """
-    return rac_run(x, cfg, act_spec, static_channels=static_channels, site=site, parity=True).result
+    return rac_run(x, cfg, act_spec, static_channels=static_channels, site=site, outputs="parity").result

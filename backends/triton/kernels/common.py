@@ -217,7 +217,7 @@ def nvfp4_decode_f32(code, s_b, s_dec):
 def frexp_exp(a):
     """``math.frexp(a)[1]`` for float32 ``a > 0`` (finite; subnormals normalised by an exact 2^64)."""
     sub = a < 1.1754943508222875e-38  # 2^-126
-    an = tl.where(sub, a * 18446744073709551616.0, a)  # 2^64
+    an = tl.where(sub, tl.where(sub, a, 0.0) * 18446744073709551616.0, a)  # 2^64 (exact on subnormals)
     e = ((an.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
     return tl.where(sub, e - 64, e)
 

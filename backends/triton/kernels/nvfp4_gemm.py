@@ -135,8 +135,10 @@ def _nvfp4_gemm_kernel(
         acc = _dense_segment(acc, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
                              sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES)
     if SEG2 == 2:
+        # per-element weight gathers are register-hungry: narrower K tiles than the dense loop
+        GBK: tl.constexpr = 64 if BN * BM <= 64 * 64 else 32
         acc = _gathered_segment(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr,
-                                stride_sn, sdec, ncols64, nmask, pid_k * BK, BK * SPLIT_K, BM, BN, BK, STAGES)
+                                stride_sn, sdec, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES)
     omask = nmask[:, None] & rmask[None, :]
     rows64 = rows.to(tl.int64)
     if SPLIT_K == 1:
@@ -166,14 +168,10 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT_K: t
 def _configs(small: bool):
     cfgs = []
     if small:
-        for bk in (128, 256):
-            for nw, ns in ((4, 3), (4, 5), (8, 4)):
-                cfgs.append(triton.Config({"BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
+        for bk, nw, ns in ((128, 4, 4), (256, 4, 3)):
+            cfgs.append(triton.Config({"BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
     else:
-        for bn, bm, bk, nw, ns in (
-            (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-            (256, 128, 64, 8, 3), (128, 64, 128, 4, 4),
-        ):
+        for bn, bm, bk, nw, ns in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)):
             cfgs.append(triton.Config({"BN": bn, "BM": bm, "BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
     return cfgs
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import bf16_rne_f32, e2m1_index, e2m1_value, e4m3_byte, e4m3_round_mag, e4m3_value, frexp_exp
+from .common import (
+    bf16_rne_f32,
+    e2m1_index,
+    e2m1_value,
+    e4m3_byte,
+    e4m3_round_mag,
+    e4m3_value,
+    frexp_exp,
+)
 
 
 @triton.jit

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# GPU run of the qpass Triton kernels (H200 / sm_90): large-shape correctness, then the benchmark.
+#
+# Run from the repository root on the GPU box (python3 with torch + triton; qpass need not be
+# installed). Writes at most 7 files to $OUT (default ./gpu_out):
+#   env.txt  selfcheck.log  selfcheck.json  bench.log  bench.json  bench.md  summary.md
+# and prints a short summary last. Parts are independent: a failing or timed-out part is reported
+# (FAIL lines, non-zero exit) but does not stop the others. Wall time < 9 min by construction:
+# selfcheck <= 200 s, benchmark budget 270 s (hard stop 320 s).
+set -u
+set -o pipefail
+REPO="$(pwd)"
+OUT="${OUT:-$REPO/gpu_out}"
+mkdir -p "$OUT"
+START=$(date +%s)
+
+# --- qpass importable without installing: /tmp/qp/qpass = qpass/ + backends/ passes/ recipes/
+# (pyproject maps those three top-level folders to qpass.backends / qpass.passes / qpass.recipes)
+rm -rf /tmp/qp && mkdir -p /tmp/qp
+cp -r "$REPO/qpass" /tmp/qp/qpass
+for sub in backends passes recipes; do
+  rm -rf "/tmp/qp/qpass/$sub"
+  cp -r "$REPO/$sub" "/tmp/qp/qpass/$sub"
+done
+find /tmp/qp -name __pycache__ -prune -exec rm -rf {} +
+export PYTHONPATH=/tmp/qp
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/qp_triton_cache
+unset TRITON_INTERPRET
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  python3 - <<'PY' 2>&1
+import platform, torch, triton
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "sm", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
+import qpass.backends.triton as qt
+print("qpass.backends.triton imported; kernels:", sorted(qt.TRITON_KERNELS))
+PY
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# --- (a) correctness at large shapes
+echo "=== (a) selfcheck ==="
+timeout -k 10 200 python3 -m qpass.backends.triton.selfcheck --out "$OUT/selfcheck.json" 2>&1 | tee "$OUT/selfcheck.log"
+RC_CHECK=$?
+[ $RC_CHECK -ne 0 ] && echo "!!! SELFCHECK FAILED OR TIMED OUT (rc=$RC_CHECK) -- see selfcheck.log" | tee -a "$OUT/selfcheck.log"
+
+# --- (b) benchmark (budgeted; the rest of the grid is recorded as skipped)
+echo "=== (b) benchmark ==="
+ELAPSED=$(( $(date +%s) - START ))
+BUDGET=$(( 480 - ELAPSED - 40 ))
+[ $BUDGET -gt 270 ] && BUDGET=270
+[ $BUDGET -lt 60 ] && BUDGET=60
+timeout -k 10 $(( BUDGET + 50 )) python3 -m qpass.bench --out "$OUT/bench.json" --budget-s "$BUDGET" > "$OUT/bench.log" 2>&1
+RC_BENCH=$?
+tail -n 5 "$OUT/bench.log"
+[ $RC_BENCH -ne 0 ] && echo "!!! BENCHMARK FAILED, TIMED OUT OR RECORDED ERRORS (rc=$RC_BENCH) -- see bench.log / bench.md" | tee -a "$OUT/bench.log"
+
+# --- (c) summary (printed last)
+python3 - "$OUT" "$RC_CHECK" "$RC_BENCH" "$START" <<'PY' 2>&1 | tee "$OUT/summary.md"
+import json, sys, time
+from pathlib import Path
+out, rc_check, rc_bench, start = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+lines = ["# qpass GPU kernel run: summary", ""]
+try:
+    sc = json.loads((out / "selfcheck.json").read_text())
+    lines += [f"## correctness: {'ALL PASS' if sc['ok'] else 'FAILURES'} (rc={rc_check}, seed {sc['seed']}, {sc['wall_s']} s)", "",
+              "| check | result | detail |", "| --- | --- | --- |"]
+    for c in sc["checks"]:
+        d = (c["detail"].splitlines() or [""])[0][:160].replace("|", "/")
+        lines.append(f"| {c['name']} | {'PASS' if c['ok'] else '**FAIL**'} | {d} |")
+except Exception as e:
+    lines.append(f"## correctness: NO REPORT (rc={rc_check}): {type(e).__name__}: {e}")
+lines.append("")
+try:
+    b = json.loads((out / "bench.json").read_text())
+    cal = b["meta"].get("calibration", {})
+    lines += [f"## benchmark (rc={rc_bench}, {b['meta'].get('wall_s')} s): copy {cal.get('copy_GBps', 0):.0f} GB/s, "
+              f"BF16 {cal.get('bf16_TFLOPs', 0):.0f} TFLOP/s, FP8 {cal.get('fp8_TFLOPs', 0) or 0:.0f} TFLOP/s", "",
+              "| target | goal | measured | met |", "| --- | --- | --- | --- |"]
+    for t in b["targets"]:
+        lines.append(f"| {t['name']} | {t['goal']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |")
+    rows = b["rows"]
+    skipped = sum(1 for r in rows if r["mode"].startswith("skipped"))
+    failed = [r for r in rows if r["mode"] == "failed"]
+    lines += ["", f"rows: {len(rows)} ({skipped} skipped for budget, {len(failed)} failed); errors: {len(b['errors'])}"]
+    for e in b["errors"][:8]:
+        lines.append(f"- ERROR: {e.splitlines()[0][:200]}")
+except Exception as e:
+    lines.append(f"## benchmark: NO REPORT (rc={rc_bench}): {type(e).__name__}: {e}")
+lines += ["", f"total wall time {int(time.time()) - start} s; files in {out}"]
+print("\n".join(lines))
+PY
+[ $RC_CHECK -eq 0 ] && [ $RC_BENCH -eq 0 ]

@@ -1,0 +1,135 @@
+"""Triton NVFP4/FP8 linears vs ``qpass.quant.linear`` (CPU interpreter).
+
+fp32 activations keep the float32 accumulator visible in the output, so the kernels are checked
+against an fp64 product of the same dequantized operands (relative Frobenius error < 1e-5); bf16 /
+fp16 outputs must equal the reference op up to one output rounding step.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN, FP8Spec
+from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
+from qpass.quant.linear import w4a4_linear_reference, w4a16_linear_reference
+from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.rac import RACConfig, rac_reference, scatter_gathered
+
+from qpass.backends.triton import fp8_linear_triton, w4a4_linear_triton, w4a16_linear_triton
+
+try:  # tests/ may or may not be a package
+    from ._triton_testutil import activations, fresh_seed, rel_fro
+except ImportError:
+    from _triton_testutil import activations, fresh_seed, rel_fro
+
+N, K = 72, 176  # K: not a multiple of the 64-wide interpreter K tile; > 2 tiles, so split-K runs too
+
+
+def _weight():
+    w = nvfp4_quantize(torch.randn(N, K) * 0.05)
+    return w, nvfp4_dequantize(w, torch.bfloat16).double()
+
+
+def _close_to_rounding(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Equal up to one rounding step of the output dtype (both round the same float32 value +- reordering)."""
+    eps = torch.finfo(y.dtype).eps
+    return bool(((y.float() - ref.float()).abs() <= eps * ref.float().abs() + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 21])
+def test_w4a16(dtype, m):
+    seed = fresh_seed()
+    w, wh = _weight()
+    x = activations(m, K, dtype)
+    bias = torch.randn(N) if m == 1 else None
+    y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias)
+    assert y.dtype == dtype and y.shape == (m, N)
+    if dtype == torch.float32:
+        ref = x.double() @ wh.t() + (0 if bias is None else bias.double())
+        assert rel_fro(y, ref) < 1e-5, seed
+    else:
+        assert _close_to_rounding(y, w4a16_linear_reference(x, w, bias)), seed
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_w4a4_plain(per_token):
+    seed = fresh_seed()
+    w, wh = _weight()
+    spec = NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
+    x = activations(17, K, torch.float32).reshape(1, 17, K)
+    y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, act_spec=spec)
+    xh = nvfp4_dequantize(nvfp4_quantize(x.reshape(17, K), spec=spec), torch.bfloat16).double()
+    assert y.shape == (1, 17, N)
+    assert rel_fro(y.reshape(17, N), xh @ wh.t()) < 1e-5, seed
+    xb = x.to(torch.bfloat16)
+    assert _close_to_rounding(w4a4_linear_triton(xb, w.codes, w.scales, w.s_dec, act_spec=spec),
+                              w4a4_linear_reference(xb, w, act_spec=spec)), seed
+
+
+def _rac_reference_fp64(x, cfg, spec, static, wh, bias):
+    res = rac_reference(x, cfg, spec, static_channels=static)
+    m = x.shape[0]
+    if res.gather_index is None:
+        comp = res.comp.double()
+    elif res.gather_index.dim() == 1:
+        comp = torch.zeros(m, K, dtype=torch.float64)
+        idx = res.gather_index
+        keep = idx >= 0
+        comp[:, idx[keep]] = res.comp.double()[:, keep]
+    else:
+        comp = scatter_gathered(res.comp, res.gather_index, K).double()
+    return res.x_hat.double() @ wh.t() + comp @ wh.t() + bias.double()
+
+
+@pytest.mark.parametrize(
+    "mode,selection,per_token",
+    [(m, s, False) for m, s in itertools.product(["masked", "gathered"], ["batch", "token", "static"])]
+    + [("masked", "batch", True), ("gathered", "token", True)],
+)
+def test_w4a4_rac(mode, selection, per_token):
+    seed = fresh_seed()
+    w, wh = _weight()
+    m = int(torch.randint(1, 20, ()))
+    x = activations(m, K, torch.float32)
+    bias = torch.randn(N)
+    cfg = RACConfig(0.5, mode, selection)
+    static = torch.randperm(K)[:23] if selection == "static" else None
+    spec = NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
+    y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, rac=cfg, static_channels=static)
+    ref = _rac_reference_fp64(x, cfg, spec, static, wh, bias)
+    assert rel_fro(y, ref) < 1e-5, (seed, m)
+
+
+def test_ops_dispatch_to_triton(monkeypatch):
+    """``use_kernels('triton')`` routes both custom ops to these kernels (CPU needs TRITON_INTERPRET=1)."""
+    import qpass.ops as ops
+
+    seed = fresh_seed()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    w, _ = _weight()
+    x = activations(6, K, torch.bfloat16).reshape(2, 3, K)
+    wf = fp8_quantize(torch.randn(N, K) * 0.05, "block_128x128")
+    args = (x, w.codes, w.scales, w.s_dec, None, "site", "nvfp4", 0.5, "gathered", "batch", None)
+    fargs = (x, wf.data, wf.scale, None, "site", "block_1x128", "block_128x128")
+    with ops.use_kernels("triton"):
+        y, yf = ops.nvfp4_linear(*args), ops.fp8_linear(*fargs)
+    assert "triton" in ops.kernel_backends("nvfp4_linear") and "triton" in ops.kernel_backends("fp8_linear")
+    assert _close_to_rounding(y, ops.nvfp4_linear(*args)), seed
+    assert _close_to_rounding(yf, ops.fp8_linear(*fargs)), seed
+
+
+@pytest.mark.parametrize(
+    "act,wgt", [("block_1x128", "block_128x128"), ("per_token", "per_tensor"), ("per_tensor", "block_128x128")]
+)
+def test_fp8_linear(act, wgt):
+    seed = fresh_seed()
+    w = fp8_quantize(torch.randn(N, K) * 0.05, wgt)
+    x = activations(19, K, torch.float32)
+    aspec = FP8Spec(role="activation", granularity=act)
+    y = fp8_linear_triton(x, w.data, w.scale, None, act_spec=aspec, w_spec=w.spec)
+    ref = fp8_dequantize(fp8_quantize(x, spec=aspec), torch.float32).double() @ fp8_dequantize(w, torch.float32).double().t()
+    assert rel_fro(y, ref) < 1e-5, seed
