@@ -15,13 +15,13 @@ from typing import Literal
 
 import torch
 
+from qpass import ops  # noqa: F401 - registers qpass::fp8_linear
 from qpass.formats.spec import FP8Spec, Granularity
-from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear / qpass::fp8_linear
 from qpass.graph.qgraph import QGraph
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant.fp8 import fp8_quantize
 
-from .common import aten_linear_nodes, bias_arg, copy_meta, selected
+from .common import aten_linear_nodes, bias_arg, replace_linear, selected
 
 
 class FP8LowerOptions(PassOptions):
@@ -43,28 +43,19 @@ class FP8Lower(Pass):
         o = self.options
         res = PassResult(self.name, qg.side)
         sites, res.skipped = selected(qg, o)
-        g = qg.gm.graph
         wspec = FP8Spec(role="weight", granularity=Granularity(o.weight_granularity))
         for s in sites:
             nodes = aten_linear_nodes(qg, s.id)
             if not nodes:
                 res.skipped.append((s.id, "no unrewritten aten.linear node"))
                 continue
-            w = qg.attr(str(nodes[0].args[1].target)).detach()
-            q = fp8_quantize(w, spec=wspec, name=s.weight, site=s.id)
-            base = "qpass_w8__" + s.id
-            data = qg.add_constant(base + "__data", q.data, before=nodes[0])
-            scale = qg.add_constant(base + "__scale", q.scale, before=nodes[0])
-            for lin in nodes:
-                with g.inserting_before(lin):
-                    new = g.call_function(torch.ops.qpass.fp8_linear.default,
-                                          (lin.args[0], data, scale, bias_arg(lin), s.id, o.act_granularity, o.weight_granularity))
-                copy_meta(lin, new)
-                lin.replace_all_uses_with(new)
-                g.erase_node(lin)
+            q = fp8_quantize(qg.attr(str(nodes[0].args[1].target)).detach(), spec=wspec, name=s.weight, site=s.id)
+            names = replace_linear(
+                qg, s, nodes, torch.ops.qpass.fp8_linear.default, {"data": q.data, "scale": q.scale},
+                lambda lin, c, s=s: (lin.args[0], c[0], c[1], bias_arg(lin), s.id, o.act_granularity, o.weight_granularity),
+            )
             qg.quant[s.id] = {"kind": "fp8_linear", "spec": wspec.key, "act_spec": f"fp8_e4m3.activation.{o.act_granularity}",
-                              "group": s.id, "members": [s.id], "weight": s.weight,
-                              "constants": {"data": data.target, "scale": scale.target}}
+                              "group": s.id, "members": [s.id], "weight": s.weight, "constants": names}
             res.sites.append(s.id)
         res.matches = len(res.sites)
         res.changed = res.matches > 0

@@ -8,6 +8,7 @@
   (a decode **multiplier**) — plus ``<site>.weight_global_scale`` = ``S_enc`` (compressed-tensors
   naming, an encode divisor) so neither convention has to be derived by a reciprocal. FP8 sites:
   ``<site>.weight`` float8_e4m3fn and ``<site>.weight_scale_inv`` float32 block decode multipliers.
+  MXFP4 sites: ``<site>.weight`` uint8 packed E2M1 and ``<site>.weight_scale`` uint8 E8M0 bytes.
   Activation scales are dynamic (computed per forward), so no ``input_scale`` is stored.
 * Learner state (``learner/model.safetensors``): the BF16 master weights under Hugging Face names.
 """
@@ -92,6 +93,9 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
         elif rec["kind"] == "fp8_linear":
             out[f"{sid}.weight"] = rollout.gm.get_buffer(c["data"]).detach().cpu()
             out[f"{sid}.weight_scale_inv"] = rollout.gm.get_buffer(c["scale"]).detach().cpu()
+        elif rec["kind"] == "mxfp4_linear":
+            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["codes"]).detach().cpu()
+            out[f"{sid}.weight_scale"] = rollout.gm.get_buffer(c["scales"]).detach().cpu()
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -138,8 +142,11 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
         c = rec.get("constants")
         if not c:
             continue
-        pairs = (("weight", "codes"), ("weight_scale", "scales"), ("weight_scale_2", "s_dec")) if rec["kind"] == "nvfp4_linear" \
-            else (("weight", "data"), ("weight_scale_inv", "scale"))
+        pairs = {
+            "nvfp4_linear": (("weight", "codes"), ("weight_scale", "scales"), ("weight_scale_2", "s_dec")),
+            "fp8_linear": (("weight", "data"), ("weight_scale_inv", "scale")),
+            "mxfp4_linear": (("weight", "codes"), ("weight_scale", "scales")),
+        }[rec["kind"]]
         for fname, cname in pairs:
             key = f"{sid}.{fname}"
             if key not in data:

@@ -74,6 +74,9 @@ def current_backend() -> str:
     return _BACKEND.get()
 
 
+_FALLBACK_WARNED: set[str] = set()
+
+
 def _dispatch(op: str, device: torch.device) -> Callable[..., torch.Tensor]:
     backend = _BACKEND.get()
     if backend != "reference" and device.type != "cuda" and backend == "triton":
@@ -82,6 +85,13 @@ def _dispatch(op: str, device: torch.device) -> Callable[..., torch.Tensor]:
         if os.environ.get("TRITON_INTERPRET") != "1":
             backend = "reference"  # Triton kernels need a GPU or the interpreter
     fn = _KERNELS.get((op, backend))
+    if fn is None and backend != "reference" and (op, "reference") in _KERNELS:
+        if op not in _FALLBACK_WARNED:
+            _FALLBACK_WARNED.add(op)
+            import logging
+
+            logging.getLogger(__name__).warning("no %r kernel for %s: running the reference implementation", backend, op)
+        fn = _KERNELS[(op, "reference")]
     if fn is None:
         raise QpassError(f"no {backend!r} kernel registered for {op}; available: {kernel_backends(op)}")
     return fn
@@ -164,6 +174,33 @@ def nvfp4_linear(
 
 @nvfp4_linear.register_fake
 def _nvfp4_linear_fake(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], w_codes.shape[0]))
+
+
+@register_kernel("mxfp4_linear", "reference")
+def _mxfp4_linear_ref(x, w_codes, w_scales, bias, site):  # noqa: ANN001
+    from .quant.mxfp4 import MXFP4Tensor, mxfp4_dequantize
+
+    w = MXFP4Tensor(codes=w_codes, scales=w_scales, shape=torch.Size((w_codes.shape[0], w_codes.shape[1] * 2)), orig_dtype=torch.bfloat16)
+    w_hat = cached_weight((w_codes, w_scales), lambda: mxfp4_dequantize(w, torch.bfloat16))
+    if x.shape[-1] != w_hat.shape[1]:
+        from .errors import QuantizationError
+
+        raise QuantizationError(f"input has K={x.shape[-1]} but the weight has K={w_hat.shape[1]} at site {site}")
+    acc = x.reshape(-1, x.shape[-1]).float() @ w_hat.float().t()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.reshape(*x.shape[:-1], acc.shape[-1]).to(x.dtype)
+
+
+@torch.library.custom_op("qpass::mxfp4_linear", mutates_args=())
+def mxfp4_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None, site: str) -> torch.Tensor:
+    """MXFP4 weight-only rollout linear ``x [..., K] -> [..., N]`` (E2M1 codes, E8M0 scale per 32)."""
+    return _dispatch("mxfp4_linear", x.device)(x, w_codes, w_scales, bias, site)
+
+
+@mxfp4_linear.register_fake
+def _mxfp4_linear_fake(x, w_codes, w_scales, bias, site):  # noqa: ANN001
     return x.new_empty((*x.shape[:-1], w_codes.shape[0]))
 
 

@@ -17,6 +17,7 @@ from qpass.formats.spec import FP8Spec, Granularity
 from qpass.graph.qgraph import QGraph
 from qpass.passes.nvfp4_lower import quantize_site_weights
 from qpass.quant.fp8 import fp8_quantize
+from qpass.quant.mxfp4 import mxfp4_quantize
 
 
 @dataclasses.dataclass
@@ -72,6 +73,12 @@ def sync_weights(learner: QGraph, rollout: QGraph) -> SyncReport:
             requantized += 1
         fingerprints[gid] = _fingerprint(*parts)
     for sid, rec in rollout.quant.items():
+        if rec.get("kind") == "mxfp4_linear":
+            q = mxfp4_quantize(lparams[rec["weight"]].detach(), site=sid)
+            rollout.gm.get_buffer(rec["constants"]["codes"]).copy_(q.codes)
+            rollout.gm.get_buffer(rec["constants"]["scales"]).copy_(q.scales)
+            fingerprints[sid] = _fingerprint(q.codes, q.scales)
+            requantized += 1
         if rec.get("kind") == "fp8_linear":
             wspec = FP8Spec(role="weight", granularity=Granularity(rec["spec"].rsplit(".", 1)[-1]))
             q = fp8_quantize(lparams[rec["weight"]].detach(), spec=wspec, site=sid)

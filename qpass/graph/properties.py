@@ -108,6 +108,19 @@ def _rac(qg: QGraph) -> list[str]:
     return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if n.args[6] == "none"]
 
 
+@graph_property("mxfp4_lowered")
+def _mxfp4_lowered(qg: QGraph) -> list[str]:
+    nodes = qg.call_nodes(_ops().mxfp4_linear.default)
+    if not nodes:
+        return ["no qpass::mxfp4_linear node in the graph"]
+    bad = []
+    for n in nodes:
+        codes, scales = (qg.gm.get_buffer(str(a.target)) for a in n.args[1:3])
+        if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (codes.shape[0], codes.shape[1] * 2 // 32):
+            bad.append(f"{n.name} ({n.args[4]}): constants {codes.dtype}{tuple(codes.shape)} / {scales.dtype}{tuple(scales.shape)}")
+    return bad
+
+
 @graph_property("fp8_lowered")
 def _fp8_lowered(qg: QGraph) -> list[str]:
     nodes = qg.call_nodes(_ops().fp8_linear.default)

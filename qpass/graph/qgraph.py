@@ -26,7 +26,7 @@ def quantized_linear_targets() -> tuple[Any, ...]:
     """The rollout linear custom ops (``qpass::nvfp4_linear``, ``qpass::fp8_linear``)."""
     from .. import ops  # noqa: F401 - registers the ops
 
-    return (torch.ops.qpass.nvfp4_linear.default, torch.ops.qpass.fp8_linear.default)
+    return (torch.ops.qpass.nvfp4_linear.default, torch.ops.qpass.fp8_linear.default, torch.ops.qpass.mxfp4_linear.default)
 
 
 def stamp(gm: torch.fx.GraphModule) -> None:

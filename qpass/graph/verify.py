@@ -35,13 +35,14 @@ def _qpass_name(node: torch.fx.Node) -> str | None:
 
 
 LEARNER_QPASS_OPS = {"qpass::group_amax", "qpass::nvfp4_qdq", "qpass::nvfp4_act_qdq"}
-ROLLOUT_QPASS_OPS = {"qpass::nvfp4_linear", "qpass::fp8_linear", "qpass::nvfp4_act_qdq"}
+ROLLOUT_QPASS_OPS = {"qpass::nvfp4_linear", "qpass::fp8_linear", "qpass::mxfp4_linear", "qpass::nvfp4_act_qdq"}
 
 
 def _site_arg_matches(node: torch.fx.Node) -> bool:
     name = _qpass_name(node)
-    if name in ("qpass::nvfp4_linear", "qpass::fp8_linear"):
-        return node.args[4 if name == "qpass::fp8_linear" else 5] == node.meta.get("qpass_linear_site")
+    site_arg = {"qpass::nvfp4_linear": 5, "qpass::fp8_linear": 4, "qpass::mxfp4_linear": 4}.get(name)
+    if site_arg is not None:
+        return node.args[site_arg] == node.meta.get("qpass_linear_site")
     return True
 
 

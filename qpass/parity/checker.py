@@ -118,7 +118,9 @@ def site_dataflow(qg: QGraph) -> nx.DiGraph:
     Paths through non-linear nodes are followed; an in-place write into a buffer (KV cache) makes
     later readers of that buffer depend on what was written.
     """
-    lin_targets = set(LINEAR_TARGETS) | {torch.ops.qpass.nvfp4_linear.default, torch.ops.qpass.fp8_linear.default}
+    from ..graph.qgraph import quantized_linear_targets
+
+    lin_targets = set(LINEAR_TARGETS) | set(quantized_linear_targets())
     up: dict[torch.fx.Node, frozenset[str]] = {}
     g = nx.DiGraph()
     for n in qg.gm.graph.nodes:

@@ -105,3 +105,27 @@ def nvfp4_qdq(w: torch.Tensor, amax: torch.Tensor | None = None, site: str = "")
     if amax is None:
         amax = group_amax_op([w])
     return nvfp4_qdq_op(w, amax, site)
+
+
+@torch.library.custom_op("qpass::qdq", mutates_args=())
+def qdq_op(x: torch.Tensor, amax: torch.Tensor | None, spec: str, site: str) -> torch.Tensor:
+    """Fake quant ``DQ(Q(x))`` for any canonical spec (``spec`` = its key), output dtype = ``x.dtype``.
+
+    NVFP4 weights take the group ``amax`` (or None = max|x|); other specs compute their scales
+    from ``x``. Backward is the straight-through estimator.
+    """
+    from ..lowering import reference_qdq
+
+    return reference_qdq(spec, x, amax, site or None)
+
+
+@qdq_op.register_fake
+def _qdq_fake(x: torch.Tensor, amax: torch.Tensor | None, spec: str, site: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _ste_qdq_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+    return grad, None, None, None
+
+
+qdq_op.register_autograd(_ste_qdq_backward, setup_context=_ste_setup)
