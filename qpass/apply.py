@@ -135,13 +135,12 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
     instead of loading and capturing again; its step graph must have room for the probe.
     """
     from .backends.torch import TorchRollout  # noqa: F401 - import check before long work
-    from .diagnostics.layerwise import residual_channel_map
     from .ops import use_kernels
     from .parity.behavior import logprob_gap
     from .parity.checker import check_structural, check_weights_bitexact
     from .pipeline import Pipeline
     from .prompts import encode_chat, probe_prompts
-    from .report import markdown, plot_activation_mismatch, plot_gap_histogram, plot_residual_heatmap
+    from .report import markdown
 
     con = _console()
     t_all = time.perf_counter()
@@ -226,32 +225,10 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
                     problems.append(f"log-prob gap {gap.metrics.token.g_abs:.4f} exceeds max_abs_gap {gopt.max_abs_gap}")
             checks.append({"check": "logprob_gap", "ok": ok, "detail": detail})
             with con.status("diagnostics and plots..."):
-                rel, la, ra = activation_diagnostics(learner, rollout, gap.batches[0])
-                diag["activation_mismatch_rel"] = rel
-                diag["rollout_tokens_per_s"] = gap.tokens_per_s
-                plot_activation_mismatch(rel, tmp / "activation_mismatch.png", f"{recipe.name}: per-site input mismatch (rollout prefill vs learner)")
-                plots["activation_mismatch"] = "activation_mismatch.png"
-                site = _pick_rac_site(rollout, ra)
-                if site is not None:
-                    x = ra[site]
-                    from .formats.spec import NVFP4_ACT
-                    from .quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-
-                    resid = x - nvfp4_dequantize(nvfp4_quantize(x.to(torch.bfloat16), spec=NVFP4_ACT), torch.float32)
-                    cmap = residual_channel_map(x.to(torch.bfloat16))
-                    ch = None
-                    rec = rollout.quant[site].get("rac")
-                    if rec:
-                        from .quant.rac import channel_scores, rac_num_channels, topk_channels
-
-                        r = x.float() - nvfp4_dequantize(nvfp4_quantize(x.to(torch.bfloat16), spec=NVFP4_ACT), torch.bfloat16).float()
-                        ch = topk_channels(channel_scores(r, x.abs().max()), rac_num_channels(x.shape[-1], rec["ratio"]))
-                    plot_residual_heatmap(resid, ch, tmp / "residual_heatmap.png", f"{site}: NVFP4 activation residual |X - DQ(Q(X))|")
-                    plots["residual_heatmap"] = "residual_heatmap.png"
-                    diag["residual_site"] = site
-                    diag["residual_channel_l2_top8"] = torch.topk(cmap.l2, 8).indices.tolist()
-                plot_gap_histogram(gap.d, floor.d if floor else None, tmp / "logprob_gap_hist.png", f"{recipe.name}: log-prob gap per token")
-                plots["logprob_gap_hist"] = "logprob_gap_hist.png"
+                try:
+                    plots.update(_diagnostics_and_plots(recipe, learner, rollout, gap, floor, tmp, diag))
+                except ImportError as exc:  # e.g. no matplotlib on a GPU box: numbers stay in report.json
+                    diag["plots_skipped"] = f"{type(exc).__name__}: {exc}"
 
         with con.status("writing artifacts..."):
             files = {"rollout": save_rollout(rollout, tmp / "rollout", recipe.text, {"recipe": recipe.name, "qpass_version": __version__})}
@@ -287,6 +264,39 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         (tmp / "report.md").write_text(markdown(report))
     _print_summary(con, report, out)
     return (0 if report["ok"] else 1), report
+
+
+def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap: Any, floor: Any, tmp: Path, diag: dict[str, Any]) -> dict[str, str]:
+    """Per-site activation mismatch, the residual map of one RAC (or W4A4) site, the gap histogram."""
+    from .diagnostics.layerwise import residual_channel_map
+    from .formats.spec import NVFP4_ACT
+    from .quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from .quant.rac import channel_scores, rac_num_channels, topk_channels
+    from .report import plot_activation_mismatch, plot_gap_histogram, plot_residual_heatmap
+
+    plots: dict[str, str] = {}
+    rel, la, ra = activation_diagnostics(learner, rollout, gap.batches[0])
+    diag["activation_mismatch_rel"] = rel
+    diag["rollout_tokens_per_s"] = gap.tokens_per_s
+    site = _pick_rac_site(rollout, ra)
+    if site is not None:
+        x = ra[site].to(torch.bfloat16)
+        x_hat = nvfp4_dequantize(nvfp4_quantize(x, spec=NVFP4_ACT), torch.bfloat16).float()
+        resid = x.float() - x_hat
+        ch = None
+        rec = rollout.quant[site].get("rac")
+        if rec:
+            ch = topk_channels(channel_scores(resid, x.abs().max().float()), rac_num_channels(x.shape[-1], rec["ratio"]))
+        diag["residual_site"] = site
+        diag["residual_channel_l2_top8"] = torch.topk(residual_channel_map(x).l2, 8).indices.tolist()
+    plot_activation_mismatch(rel, tmp / "activation_mismatch.png", f"{recipe.name}: per-site input mismatch (rollout prefill vs learner)")
+    plots["activation_mismatch"] = "activation_mismatch.png"
+    if site is not None:
+        plot_residual_heatmap(resid, ch, tmp / "residual_heatmap.png", f"{site}: NVFP4 activation residual |X - DQ(Q(X))|")
+        plots["residual_heatmap"] = "residual_heatmap.png"
+    plot_gap_histogram(gap.d, floor.d if floor else None, tmp / "logprob_gap_hist.png", f"{recipe.name}: log-prob gap per token")
+    plots["logprob_gap_hist"] = "logprob_gap_hist.png"
+    return plots
 
 
 def _versions() -> dict[str, str]:
