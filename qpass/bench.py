@@ -463,6 +463,7 @@ def _targets(res: Results) -> None:
         vals = [v for v in vals if v]
         return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
+    res.targets = []
     tg = res.targets
     sec = next((r.section for r in res.rows if r.section.startswith("activation quantization")), None)
     def first(name):
@@ -510,6 +511,19 @@ def _autotune_report() -> dict:
     return out
 
 
+def _save(res: Results, args) -> None:
+    """Write the JSON (and markdown) of the results so far (atomic; a killed run keeps them)."""
+    if getattr(args, "out", None):
+        out = _out_path(args.out)
+        _atomic_write(out, json.dumps(res.to_json(), indent=1, default=str))
+        _atomic_write(out.with_suffix(".md"), to_markdown(res))
+
+
+def _out_path(out: str) -> Path:
+    p = Path(out)
+    return p if p.suffix == ".json" else p / "bench.json"
+
+
 def run_full(args) -> Results:
     import triton
 
@@ -540,6 +554,10 @@ def run_full(args) -> Results:
         except Exception as exc:  # noqa: BLE001
             res.errors.append(f"{label}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-800:]}")
         print(f"[bench] {label}: {time.monotonic() - t:.1f}s, {budget.left():.0f}s left", flush=True)
+        res.meta["wall_s"] = round(time.monotonic() - t0, 1)
+        res.meta["complete"] = False
+        _targets(res)
+        _save(res, args)
 
     base = ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a16 triton", "w4a4 triton")
     dec = "decode (Llama-8B shapes)"
@@ -581,6 +599,7 @@ def run_full(args) -> Results:
     except Exception as exc:  # noqa: BLE001
         res.errors.append(f"autotune report: {exc}")
     res.meta["wall_s"] = round(time.monotonic() - t0, 1)
+    res.meta["complete"] = True
     return res
 
 
@@ -679,9 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_quick(args) if args.quick else run_full(args)
     md = to_markdown(res)
     if args.out:
-        out = Path(args.out)
-        if out.suffix != ".json":
-            out = out / "bench.json"
+        out = _out_path(args.out)
         _atomic_write(out, json.dumps(res.to_json(), indent=1, default=str))
         _atomic_write(out.with_suffix(".md"), md)
     print(md)

@@ -68,7 +68,8 @@ out, rc_check, rc_bench, start = Path(sys.argv[1]), sys.argv[2], sys.argv[3], in
 lines = ["# qpass GPU kernel run: summary", ""]
 try:
     sc = json.loads((out / "selfcheck.json").read_text())
-    lines += [f"## correctness: {'ALL PASS' if sc['ok'] else 'FAILURES'} (rc={rc_check}, seed {sc['seed']}, {sc['wall_s']} s)", "",
+    state = "" if sc.get("complete", True) else " -- INCOMPLETE (killed or timed out; results so far)"
+    lines += [f"## correctness: {'ALL PASS' if sc['ok'] else 'FAILURES'}{state} (rc={rc_check}, seed {sc['seed']}, {sc['wall_s']} s)", "",
               "| check | result | detail |", "| --- | --- | --- |"]
     for c in sc["checks"]:
         d = (c["detail"].splitlines() or [""])[0][:160].replace("|", "/")
@@ -79,12 +80,22 @@ lines.append("")
 try:
     b = json.loads((out / "bench.json").read_text())
     cal = b["meta"].get("calibration", {})
-    lines += [f"## benchmark (rc={rc_bench}, {b['meta'].get('wall_s')} s): copy {cal.get('copy_GBps', 0):.0f} GB/s, "
+    state = "" if b["meta"].get("complete", True) else " -- INCOMPLETE (killed or timed out; rows so far)"
+    lines += [f"## benchmark{state} (rc={rc_bench}, {b['meta'].get('wall_s')} s): copy {cal.get('copy_GBps', 0):.0f} GB/s, "
               f"BF16 {cal.get('bf16_TFLOPs', 0):.0f} TFLOP/s, FP8 {cal.get('fp8_TFLOPs', 0) or 0:.0f} TFLOP/s", "",
               "| target | goal | measured | met |", "| --- | --- | --- | --- |"]
     for t in b["targets"]:
         lines.append(f"| {t['name']} | {t['goal']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |")
     rows = b["rows"]
+    key = [r for r in rows if r["time_us"] and (
+        r["section"].startswith("activation") or
+        (r["section"].startswith("decode") and r["m"] in (1, 16)) or
+        (r["section"].startswith("prefill") and r["m"] == 4096))]
+    lines += ["", "| section | kernel | M | N | K | us | vs BF16 | of roofline | mode |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
+    for r in key[:40]:
+        lines.append(f"| {r['section'].split(' (')[0]} | {r['name']} | {r['m']} | {r['n'] or '-'} | {r['k']} | {f(r['time_us'], 1)} | "
+                     f"{f(r['vs_bf16'])} | {f(r['roofline_frac'])} | {r['mode']} |")
     skipped = sum(1 for r in rows if r["mode"].startswith("skipped"))
     failed = [r for r in rows if r["mode"] == "failed"]
     lines += ["", f"rows: {len(rows)} ({skipped} skipped for budget, {len(failed)} failed); errors: {len(b['errors'])}"]

@@ -178,7 +178,7 @@ def fp8_linear_triton(
     out = None
     if backend in ("auto", "scaled_mm") and x2.is_cuda and g_a == Granularity.BLOCK_1X128 and g_w == Granularity.BLOCK_128X128 \
             and x.dtype == torch.bfloat16 and k % 128 == 0 and wq.shape[0] % 128 == 0:
-        key = (x2.device.index, backend)
+        key = (x2.device.index, bias is not None)
         if _SCALED_MM_OK.get(key, True):
             try:
                 b = None if bias is None else bias.to(torch.bfloat16)

@@ -31,10 +31,28 @@ import torch
 
 
 class Report:
-    """Collects named checks; a check that raises is a failure with its traceback."""
+    """Collects named checks; a check that raises is a failure with its traceback.
 
-    def __init__(self):
+    With ``path`` the JSON report is rewritten (atomically) after every check, so a run that is
+    killed part-way still leaves the results so far.
+    """
+
+    def __init__(self, path: str | None = None, meta: dict | None = None):
         self.items: list[dict] = []
+        self.path = path
+        self.meta = dict(meta or {})
+        self.t0 = time.monotonic()
+
+    def save(self, final: bool = False) -> None:
+        if not self.path:
+            return
+        from pathlib import Path
+
+        from ...bench import _atomic_write
+
+        out = {**self.meta, "ok": self.ok, "complete": final, "wall_s": round(time.monotonic() - self.t0, 1),
+               "checks": self.items}
+        _atomic_write(Path(self.path), json.dumps(out, indent=1))
 
     def run(self, name: str, fn: Callable[[], tuple[bool, str]]) -> None:
         t = time.monotonic()
@@ -44,6 +62,7 @@ class Report:
             ok, detail = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
         item = {"name": name, "ok": bool(ok), "detail": detail, "seconds": round(time.monotonic() - t, 2)}
         self.items.append(item)
+        self.save()
         print(f"[{'PASS' if ok else 'FAIL'}] {name} ({item['seconds']}s): {detail.splitlines()[0] if detail else ''}", flush=True)
 
     @property
@@ -291,18 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
-    rep = Report()
-    t0 = time.monotonic()
+    rep = Report(args.out, {"seed": seed, "device": torch.cuda.get_device_name()})
     checks(rep, torch.device("cuda"), big=4096 if args.quick else 8192, quick=args.quick)
-    out = {"seed": seed, "ok": rep.ok, "wall_s": round(time.monotonic() - t0, 1), "device": torch.cuda.get_device_name(),
-           "checks": rep.items}
-    if args.out:
-        from ...bench import _atomic_write
-        from pathlib import Path
-
-        _atomic_write(Path(args.out), json.dumps(out, indent=1))
+    rep.save(final=True)
     print(f"selfcheck: {'ALL PASS' if rep.ok else 'FAILURES'} ({sum(i['ok'] for i in rep.items)}/{len(rep.items)}), "
-          f"seed {seed}, {out['wall_s']}s", flush=True)
+          f"seed {seed}, {time.monotonic() - rep.t0:.1f}s", flush=True)
     return 0 if rep.ok else 1
 
 
