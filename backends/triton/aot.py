@@ -102,8 +102,11 @@ def variants(lib, full: bool = False):
     c = dict(BM=32, BK=256)
     yield "amax_tile", a._amax_tile_kernel, _sig(a._amax_tile_kernel, ta, c), c, 4, False
     for bm, bk in ((1, 1024), (4, 512)):
-        c = dict(BM=bm, BK=bk)
-        yield f"amax_rows[bm={bm}]", a._amax_rows_kernel, _sig(a._amax_rows_kernel, ta, c), c, 4, False
+        for glob in (True, False):
+            c = dict(BM=bm, BK=bk, GLOBAL=glob)
+            yield f"amax_rows[bm={bm},global={glob}]", a._amax_rows_kernel, _sig(a._amax_rows_kernel, ta, c), c, 4, False
+    c = dict(BLOCK=16384)
+    yield "amax_single", a._amax_single_kernel, _sig(a._amax_single_kernel, ta, c), c, 8, False
     gm = lib.nvfp4_gemm._nvfp4_gemm_kernel
     tgm = {"a_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "a2_ptr": P["bf16"],
            "gidx_ptr": P["i32"], "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}

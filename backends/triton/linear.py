@@ -84,7 +84,8 @@ def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> 
     """bf16 ``x_hat = DQ(Q_A(x2))`` from one amax pass and one fused quantize-decode pass."""
     per_row = act_spec.global_scope == "per_token"
     if per_row:
-        amax, gbits = amax_rows(x2)
+        amax, _ = amax_rows(x2, need_global=False)
+        gbits = amax.view(torch.int32)
     else:
         gbits = amax_bits_tensor(x2)
         amax = gbits.view(torch.float32)

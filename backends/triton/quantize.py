@@ -44,15 +44,21 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 
 def amax_bits_tensor(x2: torch.Tensor) -> torch.Tensor:
     """int32 ``[1]``: bits of ``max|x2|`` over the whole ``[R, K]`` tensor (float32 via ``.view``)."""
-    out = torch.zeros(1, dtype=torch.int32, device=x2.device)
-    kernel_lib(x2.device).amax.launch_amax_tensor(x2, out)
+    lib = kernel_lib(x2.device)
+    alloc = torch.zeros if lib.amax.needs_zeroed_output(x2) else torch.empty
+    out = alloc(1, dtype=torch.int32, device=x2.device)
+    lib.amax.launch_amax_tensor(x2, out)
     return out
 
 
-def amax_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows float32 [R], global_bits int32 [1])``: ``max|x2|`` per row and over everything."""
+def amax_rows(x2: torch.Tensor, need_global: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows float32 [R], global_bits int32 [1] or None)``: ``max|x2|`` per row and over everything.
+
+    ``need_global=False`` skips the global maximum (and its zero-fill launch); the second item is
+    then None. Non-finite rows still show up as bits >= 0x7F800000 in ``rows.view(int32)``.
+    """
     rows = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
-    gbits = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    gbits = torch.zeros(1, dtype=torch.int32, device=x2.device) if need_global else None
     kernel_lib(x2.device).amax.launch_amax_rows(x2, rows, gbits)
     return rows, gbits
 
@@ -119,7 +125,8 @@ def nvfp4_quantize_triton(
     lib = kernel_lib(dev)
     if amax is None:
         if per_row:
-            amax_k, gbits = amax_rows(x2)
+            amax_k, _ = amax_rows(x2, need_global=False)
+            gbits = amax_k.view(torch.int32)
         else:
             gbits = amax_bits_tensor(x2)
             amax_k = gbits.view(torch.float32)
@@ -137,7 +144,8 @@ def nvfp4_quantize_triton(
             if not bool(torch.isfinite(amax_t).all()) or bool((amax_t < 0).any()):
                 raise QuantizationError(f"amax must be finite and >= 0, got {amax_t.flatten()[:4].tolist()} for {describe(name, site)}")
             if per_row:
-                actual, gbits = amax_rows(x2)
+                actual, _ = amax_rows(x2, need_global=False)
+                gbits = actual.view(torch.int32)
             else:
                 gbits = amax_bits_tensor(x2)
                 actual = gbits.view(torch.float32)
@@ -208,7 +216,8 @@ def fp8_quantize_triton(
         gbits = amax_bits_tensor(x2)
         amax, scale, gran, br = gbits.view(torch.float32), torch.empty((), dtype=torch.float32, device=dev), 0, 1
     elif g == Granularity.PER_TOKEN:
-        amax, gbits = amax_rows(x2)
+        amax, _ = amax_rows(x2, need_global=False)
+        gbits = amax.view(torch.int32)
         scale, gran, br = torch.empty(r, 1, dtype=torch.float32, device=dev), 1, 1
     elif g == Granularity.BLOCK_1X128:
         gbits = amax_bits_tensor(x2) if check else None

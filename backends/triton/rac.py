@@ -129,10 +129,14 @@ def rac_run(
     qa_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
     qa_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
     x_hat = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
-    scores = torch.zeros(kd, dtype=torch.int64, device=dev) if sel == "batch" else None
     need_rstats = not (gathered and per_row)
-    rcolmax = torch.zeros(kd, dtype=torch.int32, device=dev) if need_rstats else None
-    rrowmax = torch.zeros(m, dtype=torch.int32, device=dev) if need_rstats else None
+    # the atomically accumulated statistics share one zero-filled buffer (one memset launch)
+    n_sc = kd if sel == "batch" else 0
+    n_st = (kd + m) if need_rstats else 0
+    stats = torch.zeros(8 * n_sc + 4 * n_st, dtype=torch.uint8, device=dev)
+    scores = stats[: 8 * n_sc].view(torch.int64) if n_sc else None
+    rcolmax = stats[8 * n_sc: 8 * n_sc + 4 * kd].view(torch.int32) if need_rstats else None
+    rrowmax = stats[8 * n_sc + 4 * kd:].view(torch.int32) if need_rstats else None
     rabs = torch.empty(m, kd, dtype=torch.float32, device=dev) if sel == "token" else None
     lib.nvfp4_quant.launch_nvfp4_quant(
         x2, amax_x, per_row, codes=qa_codes, scales=qa_scales, xhat=x_hat, s_enc=qa_senc, s_dec=qa_sdec,
