@@ -215,7 +215,6 @@ def time_fn(make_set: Callable[[int], tuple], fn: Callable, set_bytes: int, *, g
         state["i"] += 1
 
     ms = triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    del calls, sets
     torch.cuda.synchronize()
     return ms * 1e3, mode
 
@@ -271,7 +270,7 @@ def calibrate(res: Results, budget: Budget) -> dict:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
     cal["copy_GBps"] = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
-    del src, dst
+    src = dst = None
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=10, rep=60, return_mode="median")
@@ -285,8 +284,6 @@ def calibrate(res: Results, budget: Budget) -> dict:
         cal["fp8_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
     except Exception as exc:  # noqa: BLE001
         res.errors.append(f"calibration fp8 _scaled_mm: {type(exc).__name__}: {exc}")
-    del a, b
-    torch.cuda.empty_cache()
     return cal
 
 
@@ -300,7 +297,7 @@ def _roof_us(bytes_: float, flops: float, cal: dict, fp8: bool = False) -> float
 def bench_act_quant(res: Results, cal: dict, budget: Budget, m: int = 16384, k: int = 4096) -> None:
     """NVFP4 activation quantization with and without RAC at ``m x k`` bf16, vs copy bandwidth."""
     from .backends.triton import no_sync_checks, nvfp4_quantize_triton, rac_run
-    from .formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
+    from .formats.spec import NVFP4_ACT
     from .quant.nvfp4 import nvfp4_quantize
     from .quant.rac import RACConfig, ceil16, rac_num_channels, rac_reference
 
@@ -368,7 +365,6 @@ def bench_act_quant(res: Results, cal: dict, budget: Budget, m: int = 16384, k: 
                 ours.vs_torch = t / ours.time_us
         except Exception as exc:  # noqa: BLE001
             res.errors.append(f"{sec} / {name}: {type(exc).__name__}: {exc}")
-    del NVFP4_ACT_PER_TOKEN
 
 
 def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: int, n: int, k: int,
@@ -448,9 +444,6 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             row.vs_fp8 = times["fp8 _scaled_mm (per-tensor)"] / row.time_us
         if "torch chain w4a4 (qpass.quant.linear)" in times and "triton" in name:
             row.vs_torch = times["torch chain w4a4 (qpass.quant.linear)"] / row.time_us
-    del inp, w_hat
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _dev() -> torch.device:
@@ -553,6 +546,8 @@ def run_full(args) -> Results:
             fn(*a)
         except Exception as exc:  # noqa: BLE001
             res.errors.append(f"{label}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-800:]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the step's inputs and graphs are gone once it returns
         print(f"[bench] {label}: {time.monotonic() - t:.1f}s, {budget.left():.0f}s left", flush=True)
         res.meta["wall_s"] = round(time.monotonic() - t0, 1)
         res.meta["complete"] = False

@@ -103,7 +103,7 @@ def _rel(y, ref) -> float:
 
 def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False, tiny: bool = False) -> None:
     """Run every check on ``dev``. ``tiny``: toy sizes (CPU interpreter smoke run of this module)."""
-    from ...formats.spec import FP8_ACT_BLOCK, NVFP4_ACT, NVFP4_ACT_PER_TOKEN, FP8Spec
+    from ...formats.spec import FP8_ACT_BLOCK, NVFP4_ACT, NVFP4_ACT_PER_TOKEN
     from ...quant.fp8 import fp8_dequantize, fp8_quantize
     from ...quant.mxfp4 import mxfp4_quantize
     from ...quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
@@ -297,7 +297,6 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
         return close, f"triton vs reference op, max |diff| {float((y.float() - yr.float()).abs().max()):.3g}"
 
     rep.run("qpass.ops.nvfp4_linear dispatch (triton vs reference)", ops)
-    del FP8Spec
 
 
 def main(argv: list[str] | None = None) -> int:
