@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Source this on the GPU box (from the repository root) before any qpass command there.
+#
+#  * makes qpass importable without installing it: /tmp/qp/qpass = qpass/ + backends/, passes/,
+#    recipes/ as subpackages (pyproject maps those folders to qpass.backends / .passes / .recipes);
+#  * installs carried wheels (.whl/*.whl) into /tmp/site when present;
+#  * stores carried model parts (.model/smollm2.gguf.partNN) in /tmp/model and joins them when all
+#    parts have arrived (checked against .model/smollm2.gguf.sha256); exports QPASS_MODEL.
+REPO="$(pwd)"
+rm -rf /tmp/qp && mkdir -p /tmp/qp
+cp -r "$REPO/qpass" /tmp/qp/qpass
+for sub in backends passes recipes; do rm -rf "/tmp/qp/qpass/$sub"; cp -r "$REPO/$sub" "/tmp/qp/qpass/$sub"; done
+find /tmp/qp -name __pycache__ -prune -exec rm -rf {} +
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl || echo "!!! wheel install failed"
+fi
+export PYTHONPATH=/tmp/qp:/tmp/site
+export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 TRITON_CACHE_DIR=/tmp/qp_triton_cache
+mkdir -p /tmp/model
+if ls "$REPO"/.model/smollm2.gguf.part* >/dev/null 2>&1; then
+  cp "$REPO"/.model/smollm2.gguf.part* /tmp/model/
+  cp "$REPO"/.model/smollm2.gguf.sha256 /tmp/model/ 2>/dev/null || true
+fi
+if [ ! -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/model/smollm2.gguf.part00 ] && [ -f /tmp/model/smollm2.gguf.part01 ]; then
+  cat /tmp/model/smollm2.gguf.part0* > /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+  want=$(cut -d' ' -f1 /tmp/model/smollm2.gguf.sha256 2>/dev/null)
+  got=$(sha256sum /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
+  if [ -n "$want" ] && [ "$want" != "$got" ]; then echo "!!! model checksum mismatch"; rm -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf; fi
+fi
+[ -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && export QPASS_MODEL=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+echo "gpu_setup: PYTHONPATH=$PYTHONPATH QPASS_MODEL=${QPASS_MODEL:-<not yet>} parts: $(ls /tmp/model | tr '\n' ' ')"
+python3 - <<'PY'
+import importlib.util
+missing = [m for m in ("torch", "triton", "transformers", "gguf", "pydantic", "yaml", "networkx", "rich", "tqdm", "matplotlib", "safetensors", "numpy") if importlib.util.find_spec(m) is None]
+print("gpu_setup: missing python packages:", missing or "none")
+PY
+true
