@@ -1,1 +1,31 @@
-"""onnx."""
+"""ONNX backend: ``onnx_lower`` emitters for every canonical spec and rollout export.
+
+Importing this package registers one :class:`~qpass.backends.onnx.table.OnnxLowering` per spec key
+in ``qpass.lowering.TABLES["onnx_lower"]``. Two flavours of graph:
+
+* ``spec`` (opset 23, 24 with MXFP4): FLOAT4E2M1 / FLOAT8E4M3FN / FLOAT8E8M0 initializers and
+  DequantizeLinear; validated with ``onnx.checker.check_model(full_check=True)`` and run by
+  ``onnx.reference.ReferenceEvaluator``.
+* ``portable`` (opset 21): uint8 nibbles + LUT Gather + fp8 DequantizeLinear/Cast, which
+  onnxruntime's CPU provider executes.
+
+Both reproduce qpass's reference arithmetic bit for bit (:mod:`.emit`). Needs the ``onnx`` extra
+(``onnx``, ``ml_dtypes``); ``onnxruntime`` only to run portable graphs.
+"""
+
+from .builder import FLAVOURS, GraphBuilder
+from .export import export_rollout_onnx, rollout_sites_model
+from .runtime import activation_qdq_model, run_onnx, weight_decode_model
+from .table import ONNX_LOWERINGS, OnnxLowering
+
+__all__ = [
+    "FLAVOURS",
+    "GraphBuilder",
+    "ONNX_LOWERINGS",
+    "OnnxLowering",
+    "activation_qdq_model",
+    "export_rollout_onnx",
+    "rollout_sites_model",
+    "run_onnx",
+    "weight_decode_model",
+]
