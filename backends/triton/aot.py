@@ -126,12 +126,15 @@ def variants(lib, full: bool = False):
             kw = cfg.kwargs
             gemm.append((f"large_{kw['BN']}x{kw['BM']}x{kw['BK']}", dict(kw, SPLIT_K=1), cfg.num_warps, cfg.num_stages))
     for label, cfg, nw, ns in gemm:
-        for seg2 in (0, 1, 2):
-            c = dict(cfg, SEG2=seg2, A_F32=False, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16)
-            yield f"gemm_{label}[seg2={seg2}]", gm, _sig(gm, tgm, c), c, nw, ns
+        for seg2, dec in ((0, 0), (1, 0), (2, 0), (0, 1), (2, 1)):
+            c = dict(cfg, SEG2=seg2, A_F32=False, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=dec)
+            yield f"gemm_{label}[seg2={seg2}{',lut' if dec else ''}]", gm, _sig(gm, tgm, c), c, nw, ns
     for adt, odt, tdt in (("f32", "f32", tl.float32), ("f16", "f16", tl.float16)):
-        c = dict(BM=16, BN=64, BK=128, SPLIT_K=1, STAGES=4, SEG2=0, A_F32=True, HAS_BIAS=False, OUT_DTYPE=tdt)
-        yield f"gemm_{adt}_input", gm, _sig(gm, dict(tgm, a_ptr=P[adt], out_ptr=P[odt]), c), c, 4, 4
+        for dec in (0, 1):
+            c = dict(BM=16, BN=64, BK=128, SPLIT_K=1, STAGES=4, SEG2=0, A_F32=True, HAS_BIAS=False, OUT_DTYPE=tdt,
+                     DECODE=dec)
+            yield (f"gemm_{adt}_input{'[lut]' if dec else ''}", gm, _sig(gm, dict(tgm, a_ptr=P[adt], out_ptr=P[odt]), c),
+                   c, 4, 4)
     red = lib.nvfp4_gemm._splitk_reduce_kernel
     for odt, tdt in (("bf16", tl.bfloat16), ("f32", tl.float32)):
         c = dict(SPLIT_K=4, HAS_BIAS=True, OUT_DTYPE=tdt, BLOCK=1024)

@@ -7,6 +7,8 @@ Checks, each against the plain-torch reference running on the same device:
   reference itself is spot-checked against the CPU reference;
 * RAC: ``rac_triton`` vs ``rac_reference`` (qa/qr bytes, channels, operands) for every
   mode x selection x global-scope combination at 4096x4096;
+* the GEMM's in-register weight decode, both variants (``ref`` arithmetic, ``lut`` table + byte
+  permutes), bit for bit via one-hot activation rows;
 * GEMMs: relative Frobenius error vs an fp64 product of the same dequantized operands (< 1e-5)
   for W4A16, W4A4 (+RAC) at decode and prefill sizes and a K that is not a multiple of any tile;
   FP8 paths (``torch._scaled_mm`` blockwise and the Triton kernels) report their error;
@@ -180,6 +182,29 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
     rep.run("RAC kernels vs rac_reference", rac_all)
 
+    # ---- exact in-register weight decode: a one-hot activation row picks one weight column, and
+    # a float32 output holds the decoded bf16 value exactly (products with 1, sums of exact zeros)
+    def decode_exact(decode, m):
+        def f():
+            n, k = (64, 256) if tiny else (512, 2048)
+            blocks = torch.exp(torch.empty(n, k // 16, 1, device=dev).uniform_(-9, 9))
+            wf = (torch.randn(n, k // 16, 16, device=dev) * blocks).reshape(n, k)
+            w = nvfp4_quantize(wf.to(torch.bfloat16))
+            wh = nvfp4_dequantize(w, torch.bfloat16).float()
+            cols = torch.arange(k, device=dev) if m >= k else torch.randperm(k, device=dev)[:m]
+            x = torch.zeros(cols.numel(), k, device=dev, dtype=torch.bfloat16)
+            x[torch.arange(cols.numel(), device=dev), cols] = 1.0
+            y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, decode=decode)
+            ref = wh[:, cols].t()
+            same = torch.equal(y, ref)  # value equality: the accumulator turns a decoded -0.0 into +0.0
+            return same, f"{int((y != ref).sum())} of {y.numel()} decoded values differ" if not same else \
+                f"{y.numel()} decoded values equal the reference ({cols.numel()} one-hot rows)"
+        return f
+
+    for dec in ("ref", "lut"):
+        rep.run(f"weight decode '{dec}' exact (one-hot rows, small-M path)", decode_exact(dec, 16))
+        rep.run(f"weight decode '{dec}' exact (one-hot rows, large-M path)", decode_exact(dec, 256 if tiny else 2048))
+
     # ---- GEMMs
     n_big = big if tiny else (4096 if quick else big)
     m_big = 16 if tiny else 4096
@@ -196,7 +221,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
     rep.run(f"W4A16 bf16 GEMM N=K={n_big} vs fp64", gemm_w4a16)
 
-    def gemm_w4a4(n, k):
+    def gemm_w4a4(n, k, decode=None):
         def f():
             w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
             wh = nvfp4_dequantize(w, torch.bfloat16).double()
@@ -205,7 +230,8 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
             for m, pt in ((16, False), (m_big, False), (64 // sm, True)):
                 spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
                 x = _acts(m, k, dev)
-                y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, out_dtype=torch.float32)
+                y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, out_dtype=torch.float32,
+                                       decode=decode)
                 xh = nvfp4_dequantize(nvfp4_quantize(x, spec=spec), torch.bfloat16).double()
                 errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, xh @ wh.t() + bias.double())
             for m, (mode, sel) in itertools.product((16, m_big // 2), (("gathered", "batch"), ("masked", "batch"),
@@ -214,7 +240,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                 x = _acts(m, k, dev)
                 st = torch.randperm(k, device=dev)[: k // 4] if sel == "static" else None
                 y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=NVFP4_ACT, rac=cfg,
-                                       static_channels=st, out_dtype=torch.float32)
+                                       static_channels=st, out_dtype=torch.float32, decode=decode)
                 r = rac_reference(x, cfg, NVFP4_ACT, static_channels=st)
                 if r.gather_index is None:
                     comp = r.comp.double()
@@ -232,6 +258,8 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
     rep.run(f"W4A4 (+RAC) GEMM N=K={n_big} vs fp64", gemm_w4a4(n_big, n_big))
     rep.run("W4A4 (+RAC) GEMM N=1000 K=4112 (ragged tiles) vs fp64", gemm_w4a4(1000 // sm, 272 if tiny else 4112))
+    rep.run("W4A4 (+RAC) GEMM N=1000 K=4112, 'lut' weight decode, vs fp64",
+            gemm_w4a4(1000 // sm, 272 if tiny else 4112, decode="lut"))
 
     def gemm_fp8():
         n = k = n_big
