@@ -23,7 +23,7 @@ for sub in backends passes recipes; do
   cp -r "$REPO/$sub" "/tmp/qp/qpass/$sub"
 done
 find /tmp/qp -name __pycache__ -prune -exec rm -rf {} +
-export PYTHONPATH=/tmp/qp
+export PYTHONPATH=/tmp/qp${PYTHONPATH:+:$PYTHONPATH}  # keeps e.g. /tmp/site from scripts/gpu_setup.sh
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=/tmp/qp_triton_cache
 unset TRITON_INTERPRET
