@@ -1,0 +1,145 @@
+"""``qpass_nvfp4`` quantization options, read from / written to a checkpoint's quantization config.
+
+Pure python (no SGLang import). The SGLang ``QuantizationConfig`` of :mod:`.plugin` wraps
+:class:`QpassSGLangOptions`.
+
+Config layouts accepted by :meth:`QpassSGLangOptions.from_config` (SGLang passes the dict it found):
+
+* qpass's ``hf_quant_config.json`` (``qpass apply`` writes it next to ``weights.safetensors``):
+  ``{"producer": {"name": "qpass"}, "quantization": {"quant_algo": "NVFP4",
+  "input_activations": {"dynamic": true, "per_token": false}, "exclude_modules": [...],
+  "rac": {"<site>": {"ratio": 0.5, "mode": "masked", "selection": "batch"}}, "qpass_act": ...}}``
+* a flat ``config.json`` ``quantization_config`` with ``"quant_method": "qpass_nvfp4"`` and the
+  same keys at top level (what :func:`checkpoint_quant_config` writes), so SGLang selects the
+  plugin from the checkpoint alone.
+
+``quant_algo: "W4A16_NVFP4"`` (ModelOpt's weight-only name) or ``qpass_act: "none"`` selects
+W4A16; otherwise activations are quantized dynamically (per tensor, or per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from qpass.errors import QpassError
+from qpass.quant.rac import RACConfig
+
+METHOD_NAME = "qpass_nvfp4"
+ACT_MODES = ("nvfp4", "nvfp4_per_token", "none")
+DEFAULT_EXCLUDE = ("lm_head", "*embed_tokens", "*.mlp.gate")  # routers stay bf16
+# SGLang's stacked (fused) modules and the checkpoint projections they hold, in shard order.
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class QpassSGLangOptions:
+    """What the SGLang plugin needs to reproduce a qpass rollout.
+
+    Attributes:
+        act: ``nvfp4`` (W4A4, dynamic per-tensor activation global scale), ``nvfp4_per_token``
+            or ``none`` (W4A16).
+        rac: per checkpoint site (HF name, e.g. ``model.layers.0.mlp.gate_proj``) its residual
+            compensation. ``selection: static`` is rejected (the calibrated channels are not part
+            of the checkpoint).
+        exclude: modules left unquantized (glob on the module prefix, or an exact suffix).
+    """
+
+    act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
+    rac: Mapping[str, RACConfig] = dataclasses.field(default_factory=dict)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+
+    def __post_init__(self) -> None:
+        if self.act not in ACT_MODES:
+            raise QpassError(f"{METHOD_NAME}: act must be one of {ACT_MODES}, got {self.act!r}")
+        for site, cfg in self.rac.items():
+            if cfg.selection == "static":
+                raise QpassError(f"{METHOD_NAME}: site {site} uses static RAC, whose calibrated channels a checkpoint does not carry")
+            if self.act == "none":
+                raise QpassError(f"{METHOD_NAME}: site {site} has RAC but activations are not quantized (act='none')")
+
+    # ------------------------------------------------------------------ config dicts
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "QpassSGLangOptions":
+        """Parse either layout of the module docstring.
+
+        Raises:
+            QpassError: a quant_algo other than NVFP4 / W4A16_NVFP4, or bad fields.
+        """
+        q = config.get("quantization", config)
+        algo = q.get("quant_algo", "NVFP4")
+        if algo not in ("NVFP4", "W4A16_NVFP4"):
+            raise QpassError(f"{METHOD_NAME}: quant_algo {algo!r} is not NVFP4 (use SGLang's own method for it)")
+        if q.get("group_size", 16) not in (16, None):
+            raise QpassError(f"{METHOD_NAME}: NVFP4 group_size must be 16, got {q.get('group_size')}")
+        act = q.get("qpass_act")
+        if act is None:
+            ia = q.get("input_activations") or {}
+            act = "none" if algo == "W4A16_NVFP4" else ("nvfp4_per_token" if ia.get("per_token") else "nvfp4")
+        rac = {}
+        for site, r in (q.get("rac") or {}).items():
+            rac[site] = RACConfig(float(r["ratio"]), r.get("mode", "masked"), r.get("selection", "batch"))
+        excl = q.get("exclude_modules") or q.get("ignore") or q.get("modules_to_not_convert")
+        return cls(act=act, rac=rac, exclude=tuple(excl) if excl is not None else DEFAULT_EXCLUDE)
+
+    def to_config(self) -> dict[str, Any]:
+        """Flat ``quantization_config`` for a checkpoint's ``config.json`` (selects the plugin)."""
+        return {
+            "quant_method": METHOD_NAME,
+            "quant_algo": "W4A16_NVFP4" if self.act == "none" else "NVFP4",
+            "group_size": 16,
+            "qpass_act": self.act,
+            "input_activations": None if self.act == "none" else {"dynamic": True, "per_token": self.act == "nvfp4_per_token"},
+            "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier)",
+            "exclude_modules": list(self.exclude),
+            "rac": {s: dataclasses.asdict(c) for s, c in sorted(self.rac.items())},
+        }
+
+    # ------------------------------------------------------------------ per layer
+    def members(self, prefix: str, packed_modules_mapping: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+        """Checkpoint sites an SGLang layer ``prefix`` computes (``...qkv_proj`` -> q, k, v)."""
+        parent, _, leaf = prefix.rpartition(".")
+        mapping = {**PACKED_MODULES, **(packed_modules_mapping or {})}
+        if leaf in mapping:
+            return [f"{parent}.{m}" if parent else m for m in mapping[leaf]]
+        return [prefix]
+
+    def is_excluded(self, prefix: str, packed_modules_mapping: Mapping[str, Sequence[str]] | None = None) -> bool:
+        """Whether layer ``prefix`` stays unquantized.
+
+        Raises:
+            QpassError: a fused layer with some members excluded and some not (one GEMM cannot
+                be half quantized).
+        """
+        flags = [any(_match(m, pat) for pat in self.exclude) for m in self.members(prefix, packed_modules_mapping)]
+        if any(flags) and not all(flags):
+            raise QpassError(f"{METHOD_NAME}: fused layer {prefix} has members both excluded and quantized ({self.members(prefix, packed_modules_mapping)})")
+        return all(flags)
+
+    def rac_for(self, prefix: str, packed_modules_mapping: Mapping[str, Sequence[str]] | None = None) -> RACConfig | None:
+        """The RAC of layer ``prefix`` (all fused members must agree: they share one input).
+
+        Raises:
+            QpassError: fused members with different RAC settings.
+        """
+        cfgs = {self.rac.get(m) for m in self.members(prefix, packed_modules_mapping)}
+        if len(cfgs) > 1:
+            raise QpassError(f"{METHOD_NAME}: fused layer {prefix} has members with different RAC settings {cfgs}; they share one input and one GEMM")
+        return cfgs.pop()
+
+
+def _match(site: str, pattern: str) -> bool:
+    """Glob on the full module path, or a plain name that equals the path or its dotted suffix."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(site, pattern)
+    return site == pattern or site.endswith("." + pattern)
+
+
+def checkpoint_quant_config(options: QpassSGLangOptions) -> dict[str, Any]:
+    """``{"quantization_config": ...}`` to merge into a checkpoint's ``config.json``."""
+    return {"quantization_config": options.to_config()}

@@ -1,0 +1,87 @@
+"""The parameters a qpass NVFP4 linear registers in SGLang: the ``modelopt_fp4`` checkpoint contract.
+
+Pure python (no SGLang import), so the contract is testable everywhere and the SGLang plugin's
+``create_weights`` builds its parameters from this very table.
+
+Per linear layer partition (``K = input_size_per_partition``, ``N = sum(output_partition_sizes)``,
+``S = len(output_partition_sizes)``: 3 for QKV, 2 for gate/up, 1 otherwise):
+
+=================  =======================  ==============  ===========================  =========
+name               SGLang parameter class   dtype           shape                        meaning
+=================  =======================  ==============  ===========================  =========
+``weight``         ModelWeightParameter     uint8           ``[N, K/2]``  (in 1, out 0)  two E2M1 codes per byte, low nibble = even k
+``weight_scale``   ModelWeightParameter     float8_e4m3fn   ``[N, K/16]`` (in 1, out 0)  E4M3 block scale (relative to the global)
+``weight_scale_2`` PerTensorScaleParameter  float32         ``[S]``                      ``S_dec`` per shard (a decode multiplier)
+``input_scale``    PerTensorScaleParameter  float32         ``[S]``                      accepted for ModelOpt checkpoints; unused
+=================  =======================  ==============  ===========================  =========
+
+Source: ``prior-art/backends.md`` §1.3 (sglang 0.5.23 ``ModelOptFp4LinearMethod.create_weights``,
+identical in vLLM's ``modelopt_fp4``). qpass activations are dynamic (SPEC §3 rule 5), so
+``input_scale`` is loaded only to accept ModelOpt-format checkpoints and never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from qpass.errors import QuantizationError
+
+NVFP4_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter a linear layer registers.
+
+    Attributes:
+        name: attribute name on the layer (and checkpoint tensor suffix).
+        kind: SGLang parameter class (``sglang.srt.layers.parameter``).
+        dtype, shape: storage.
+        input_dim, output_dim: which dims SGLang's loaders shard (None for per-shard scalars).
+        fill: initial content (``empty`` or ``ones``).
+        scalar_to_array: SGLang's ``needs_scalar_to_array`` attribute: a 0-d checkpoint scalar
+            loads into this shard's slot of the ``[S]`` tensor.
+    """
+
+    name: str
+    kind: Literal["ModelWeightParameter", "PerTensorScaleParameter"]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    input_dim: int | None
+    output_dim: int | None
+    fill: Literal["empty", "ones"] = "empty"
+    scalar_to_array: bool = False
+
+
+def linear_param_specs(input_size_per_partition: int, output_partition_sizes: Sequence[int], *, prefix: str = "") -> list[ParamSpec]:
+    """The parameters of one NVFP4 linear partition (see the module table).
+
+    Raises:
+        QuantizationError: ``input_size_per_partition`` not a multiple of 16 (the message names
+            ``prefix``; under TP the per-rank K must hold whole 1x16 blocks), or no output partition.
+    """
+    k, sizes = int(input_size_per_partition), [int(s) for s in output_partition_sizes]
+    if k % NVFP4_BLOCK:
+        raise QuantizationError(
+            f"NVFP4 layer {prefix or '<unnamed>'}: input_size_per_partition={k} is not a multiple of 16 "
+            "(each tensor-parallel rank must hold whole 1x16 blocks along K)"
+        )
+    if not sizes or min(sizes) <= 0:
+        raise QuantizationError(f"NVFP4 layer {prefix or '<unnamed>'}: bad output_partition_sizes={sizes}")
+    n, s = sum(sizes), len(sizes)
+    return [
+        ParamSpec("weight", "ModelWeightParameter", torch.uint8, (n, k // 2), 1, 0),
+        ParamSpec("weight_scale", "ModelWeightParameter", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), 1, 0),
+        ParamSpec("weight_scale_2", "PerTensorScaleParameter", torch.float32, (s,), None, None, "empty", True),
+        ParamSpec("input_scale", "PerTensorScaleParameter", torch.float32, (s,), None, None, "ones", True),
+    ]
+
+
+def make_tensor(p: ParamSpec, device: torch.device | str | None = None) -> torch.Tensor:
+    """Storage for ``p`` (``torch.empty`` or ``torch.ones``)."""
+    fn = torch.ones if p.fill == "ones" else torch.empty
+    return fn(p.shape, dtype=p.dtype, device=device)
