@@ -11,10 +11,15 @@ in ``qpass.lowering.TABLES["onnx_lower"]``. Two flavours of graph:
 
 Both reproduce qpass's reference arithmetic bit for bit (:mod:`.emit`). Needs the ``onnx`` extra
 (``onnx``, ``ml_dtypes``); ``onnxruntime`` only to run portable graphs.
+
+Exports: :func:`export_rollout_onnx` (every quantized linear of a rollout as its own subgraph;
+from a rollout graph or a ``qpass apply`` directory) and :func:`export_rollout_graph_onnx` (the
+whole rollout-lowered scoring graph through ``torch.onnx.export(dynamo=True)``; needs onnxscript).
 """
 
 from .builder import FLAVOURS, GraphBuilder
 from .export import export_rollout_onnx, rollout_sites_model
+from .graph_export import export_rollout_graph_onnx, rollout_graph_model, rollout_scoring_graph
 from .runtime import activation_qdq_model, run_onnx, weight_decode_model
 from .table import ONNX_LOWERINGS, OnnxLowering
 
@@ -24,7 +29,10 @@ __all__ = [
     "ONNX_LOWERINGS",
     "OnnxLowering",
     "activation_qdq_model",
+    "export_rollout_graph_onnx",
     "export_rollout_onnx",
+    "rollout_graph_model",
+    "rollout_scoring_graph",
     "rollout_sites_model",
     "run_onnx",
     "weight_decode_model",

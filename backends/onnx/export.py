@@ -268,6 +268,8 @@ def rollout_sites_model(
     io_dtype = io_dtype or (dtype if flavour == "spec" else torch.float32)
     et, io = TORCH_TO_ONNX[dtype], TORCH_TO_ONNX[io_dtype]
     b = GraphBuilder(flavour, name="qpass_rollout_sites")
+    if flavour == "spec":
+        b.need_opset(emit.OPSET_FP4)  # spec graphs are opset >= 23 whatever formats they hold (24 with MXFP4)
     for s in recs:
         x = b.add_input(f"{s.site}.x", io, ["tokens", s.in_features])
         if io != et:
