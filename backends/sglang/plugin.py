@@ -51,7 +51,8 @@ def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object
 
     For a K-sharded activation this equals the slice of the unsharded fake-quant, so
     ``x_hat @ W_hat^T`` (the W4A16 path of ``nvfp4_linear``) on each rank, summed by the row-parallel
-    all-reduce, is the W4A4 product up to float32 summation order.
+    all-reduce, is the W4A4 product up to float32 summation order. Exact for bf16 activations (the
+    dtype SGLang runs NVFP4 models in); for fp16 ``x_hat`` is rounded once more to fp16.
     """
     from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
 
