@@ -82,12 +82,15 @@ def site_counts(learner: QGraph, rollout: QGraph) -> dict[str, Any]:
     }
 
 
-def uncaptured_linears(model: torch.nn.Module, sites: dict[str, Any]) -> list[dict[str, str]]:
-    """nn.Linear modules of the model that the captured graph does not call (never silently dropped)."""
+def uncaptured_linears(model: torch.nn.Module, sites: dict[str, Any], opaque: list | None = None) -> list[dict[str, str]]:
+    """nn.Linear modules of the model that are not quantization sites, each with the reason."""
     out = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and name not in sites:
-            out.append({"module": name, "reason": "not called in the captured forward (no aten.linear node carries it)"})
+            owner = next((o for o in opaque or [] if name == o.name or name.startswith(o.name + ".")), None)
+            reason = (f"inside {owner.name}, captured as one opaque node because torch.export failed there: {owner.reason}"
+                      if owner else "not called in the captured forward (no aten.linear node carries it)")
+            out.append({"module": name, "reason": reason})
     return out
 
 
@@ -240,7 +243,9 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
             "recipe": recipe.to_json() | {"text": recipe.text},
             "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model},
             "kernels": o.kernels,
-            "sites": site_counts(learner, rollout) | {"uncaptured": uncaptured_linears(lm.model, rollout.sites)},
+            "sites": site_counts(learner, rollout) | {
+                "uncaptured": uncaptured_linears(lm.model, rollout.sites, pipe.base_scoring.captured.opaque),
+                "opaque_modules": [dataclasses.asdict(o) for o in pipe.base_scoring.captured.opaque]},
             "passes": [h.to_json() for h in learner.history + rollout.history],
             "parity": {
                 "structural_ok": structural_ok,

@@ -71,7 +71,7 @@ class Pipeline:
                 f"{lm.name}: the captured graph has no linear projection (aten.linear with a weight parameter); "
                 "qpass quantizes linear layers, so there is nothing to do"
             )
-        st = QGraph.from_capture(capture_step(lm.model, batch_size=batch_size, max_len=max_len))
+        st = QGraph.from_capture(capture_step(lm.model, batch_size=batch_size, max_len=max_len, opaque=sc.captured.opaque))
         timings["capture_scoring_s"], timings["capture_step_s"] = sc.captured.export_s, st.captured.export_s
         return cls(lm, sc, st, timings)
 

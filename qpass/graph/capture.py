@@ -103,15 +103,35 @@ class CapturedGraph:
     export_s: float
     batch_size: int | None = None
     max_len: int | None = None
+    opaque: list = dataclasses.field(default_factory=list)  # list[fallback.OpaqueModule]
 
 
-def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: Any, what: str) -> torch.export.ExportedProgram:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
-    except Exception as exc:  # noqa: BLE001
-        raise CaptureError(f"torch.export could not capture the {what} graph: {type(exc).__name__}: {exc}") from exc
+def _export(
+    module: torch.nn.Module, args: tuple, dynamic_shapes: Any, what: str, model: torch.nn.Module, opaque: list | None = None,
+) -> tuple[torch.export.ExportedProgram, list]:
+    """``torch.export`` with the per-module fallback of :mod:`qpass.graph.fallback`.
+
+    On failure the innermost submodule of ``model`` on the error's traceback is made opaque (logged
+    with the reason) and the export is retried, up to 8 modules.
+    """
+    from .fallback import OpaqueModule, find_culprit, opaque_modules
+
+    opaque = list(opaque or [])
+    for _attempt in range(9):
+        try:
+            with warnings.catch_warnings(), opaque_modules(model, [o.name for o in opaque]):
+                warnings.simplefilter("ignore")
+                return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False), opaque
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            culprit = find_culprit(exc, model)
+            if culprit is None or culprit in {o.name for o in opaque} or len(opaque) >= 8:
+                raise CaptureError(f"torch.export could not capture the {what} graph: {type(exc).__name__}: {exc}") from exc
+            reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            log.warning("torch.export failed inside %s (%s); capturing it as one opaque node", culprit, reason)
+            opaque.append(OpaqueModule(culprit, reason))
+    raise AssertionError("unreachable")
 
 
 def _unlift(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
@@ -121,7 +141,7 @@ def _unlift(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
 
 
 def capture_scoring(model: torch.nn.Module, *, example_len: int = 16) -> CapturedGraph:
-    """Export the scoring graph (dynamic batch and sequence length).
+    """Export the scoring graph (dynamic batch and sequence length), with per-module fallback.
 
     Raises:
         CaptureError: ``torch.export`` failed; the message carries its reason.
@@ -134,12 +154,12 @@ def capture_scoring(model: torch.nn.Module, *, example_len: int = 16) -> Capture
     bd, td = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("seq", min=2, max=8192)
     dyn = ({0: bd, 1: td}, {0: bd, 1: td}, {0: bd, 1: td})
     t0 = time.perf_counter()
-    ep = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring")
+    ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
     gm = _unlift(ep)
-    return CapturedGraph("scoring", ep, gm, time.perf_counter() - t0)
+    return CapturedGraph("scoring", ep, gm, time.perf_counter() - t0, opaque=opaque)
 
 
-def capture_step(model: torch.nn.Module, *, batch_size: int, max_len: int) -> CapturedGraph:
+def capture_step(model: torch.nn.Module, *, batch_size: int, max_len: int, opaque: list | None = None) -> CapturedGraph:
     """Export the prefill/decode step graph with a static KV cache of ``max_len`` slots.
 
     Raises:
@@ -156,9 +176,9 @@ def capture_step(model: torch.nn.Module, *, batch_size: int, max_len: int) -> Ca
     dyn = ({1: td}, {1: td}, {0: td}, None)
     t0 = time.perf_counter()
     with torch.no_grad():
-        ep = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step")
+        ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
     gm = _unlift(ep)
-    return CapturedGraph("step", ep, gm, time.perf_counter() - t0, batch_size=batch_size, max_len=max_len)
+    return CapturedGraph("step", ep, gm, time.perf_counter() - t0, batch_size=batch_size, max_len=max_len, opaque=opaque)
 
 
 def clone_graph_module(gm: torch.fx.GraphModule, *, share_params: bool) -> torch.fx.GraphModule:

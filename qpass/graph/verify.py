@@ -49,6 +49,7 @@ def _site_arg_matches(node: torch.fx.Node) -> bool:
 RULES: list[Rule] = [
     Rule("aten/prims operator", lambda n, qg: _namespace(n) in ("aten", "prims", "_c10d_functional")),
     Rule("tuple indexing", lambda n, qg: n.target is operator.getitem),
+    Rule("opaque fallback module (qpass.graph.fallback)", lambda n, qg: _namespace(n) == "qpass_opaque"),
     Rule("higher-order op (e.g. a no_grad region torch.export wraps)",
          lambda n, qg: isinstance(n.target, torch._ops.HigherOrderOperator)),
     Rule("symbolic size arithmetic", lambda n, qg: n.target in (operator.add, operator.sub, operator.mul, operator.floordiv, operator.ge, operator.le, operator.lt, operator.gt, operator.eq, operator.ne, torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not, torch._assert) or getattr(n.target, "__module__", "") in ("torch._refs", "torch.fx.experimental.symbolic_shapes", "torch.utils._sym_node")),
