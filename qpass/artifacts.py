@@ -9,6 +9,9 @@
   naming, an encode divisor) so neither convention has to be derived by a reciprocal. FP8 sites:
   ``<site>.weight`` float8_e4m3fn and ``<site>.weight_scale_inv`` float32 block decode multipliers.
   MXFP4 sites: ``<site>.weight`` uint8 packed E2M1 and ``<site>.weight_scale`` uint8 E8M0 bytes.
+  Static RAC sites add ``<site>.rac_channels`` (int64). ``hf_quant_config.json`` records per site the
+  weight spec, the activation spec (None = weight-only) and the fused group; ``quant_algo`` is
+  ``NVFP4`` (W4A4), ``W4A16_NVFP4``, ``FP8_BLOCK`` or ``MXFP4``.
   Activation scales are dynamic (computed per forward), so no ``input_scale`` is stored.
 * Learner state (``learner/model.safetensors``): the BF16 master weights under Hugging Face names.
 """
@@ -96,7 +99,18 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
         elif rec["kind"] == "mxfp4_linear":
             out[f"{sid}.weight"] = rollout.gm.get_buffer(c["codes"]).detach().cpu()
             out[f"{sid}.weight_scale"] = rollout.gm.get_buffer(c["scales"]).detach().cpu()
+        ch = _static_channels(rollout, sid)
+        if ch is not None:
+            out[f"{sid}.rac_channels"] = ch.detach().cpu()
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _static_channels(rollout: QGraph, sid: str) -> torch.Tensor | None:
+    """The calibrated RAC channel constant of a site (``selection: static``), or None."""
+    for n in rollout.nodes_of_site(sid):
+        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(n.args[10], torch.fx.Node):
+            return rollout.gm.get_buffer(str(n.args[10].target))
+    return None
 
 
 def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -109,11 +123,14 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
         files["weights"] = "weights.safetensors"
     nvfp4 = [s for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear"]
     fp8 = [s for s, r in rollout.quant.items() if r.get("kind") == "fp8_linear"]
-    quantized = set(nvfp4) | set(fp8)
+    mx = [s for s, r in rollout.quant.items() if r.get("kind") == "mxfp4_linear"]
+    quantized = set(nvfp4) | set(fp8) | set(mx)
+    w4a4 = [s for s in nvfp4 if rollout.quant[s].get("act_spec")]
+    algo = ("NVFP4" if w4a4 else "W4A16_NVFP4") if nvfp4 else ("FP8_BLOCK" if fp8 else ("MXFP4" if mx else None))
     cfg = {
         "producer": {"name": "qpass", "version": meta.get("qpass_version", "")},
         "quantization": {
-            "quant_algo": "NVFP4" if nvfp4 else ("FP8_BLOCK" if fp8 else None),
+            "quant_algo": algo,
             "group_size": 16 if nvfp4 else None,
             "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier); weight_global_scale = S_enc (encode divisor)",
             "scale_layout": "linear",
@@ -121,6 +138,10 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
             "exclude_modules": sorted(s for s in rollout.sites if s not in quantized),
             "groups": {s: rollout.quant[s]["group"] for s in sorted(quantized)},
             "rac": {s: rollout.quant[s]["rac"] for s in nvfp4 if "rac" in rollout.quant[s]},
+            # per site: format, activation spec (None = weight-only), group; what a loader needs to rebuild the ops
+            "sites": {s: {"kind": rollout.quant[s]["kind"], "weight_spec": rollout.quant[s]["spec"],
+                          "act_spec": rollout.quant[s].get("act_spec"), "group": rollout.quant[s]["group"]}
+                      for s in sorted(quantized)},
         },
     }
     write_json(directory / "hf_quant_config.json", cfg)
@@ -156,6 +177,13 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
             if t.shape != buf.shape or t.dtype != buf.dtype:
                 raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the graph expects {buf.dtype}{tuple(buf.shape)}")
             buf.copy_(t)
+            n += 1
+        ch = _static_channels(rollout, sid)
+        if ch is not None:
+            key = f"{sid}.rac_channels"
+            if key not in data or data[key].shape != ch.shape:
+                raise QpassError(f"{path}: missing or misshapen static RAC channels {key}")
+            ch.copy_(data[key])
             n += 1
     return n
 
