@@ -65,8 +65,8 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "check": _lazy("qpass.apply", "main_check"),
     "recipes": _recipes,
     "bench": _lazy("qpass.bench", "main"),
-    "grpo": _lazy("qpass.rl.cli", "main"),
-    "grpo-plot": _lazy("qpass.rl.cli", "plot_main"),
+    "grpo": _lazy("qpass.rl.cli", "grpo_main"),
+    "grpo-plot": _lazy("qpass.rl.cli", "grpo_plot_main"),
     "study": _lazy("qpass.study", "main"),
 }
 

@@ -29,7 +29,8 @@ class SyncReport:
     fingerprints: dict[str, str]
 
 
-def _fingerprint(*tensors: torch.Tensor) -> str:
+def fingerprint(*tensors: torch.Tensor) -> str:
+    """sha256 (16 hex digits) over the raw bytes of ``tensors``: a cheap per-group parity fingerprint."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
@@ -71,19 +72,19 @@ def sync_weights(learner: QGraph, rollout: QGraph) -> SyncReport:
                 rollout.gm.get_buffer(consts[key]).copy_(val)
             parts += [q.codes, q.scales, q.s_dec]
             requantized += 1
-        fingerprints[gid] = _fingerprint(*parts)
+        fingerprints[gid] = fingerprint(*parts)
     for sid, rec in rollout.quant.items():
         if rec.get("kind") == "mxfp4_linear":
             q = mxfp4_quantize(lparams[rec["weight"]].detach(), site=sid)
             rollout.gm.get_buffer(rec["constants"]["codes"]).copy_(q.codes)
             rollout.gm.get_buffer(rec["constants"]["scales"]).copy_(q.scales)
-            fingerprints[sid] = _fingerprint(q.codes, q.scales)
+            fingerprints[sid] = fingerprint(q.codes, q.scales)
             requantized += 1
         if rec.get("kind") == "fp8_linear":
             wspec = FP8Spec(role="weight", granularity=Granularity(rec["spec"].rsplit(".", 1)[-1]))
             q = fp8_quantize(lparams[rec["weight"]].detach(), spec=wspec, site=sid)
             rollout.gm.get_buffer(rec["constants"]["data"]).copy_(q.data)
             rollout.gm.get_buffer(rec["constants"]["scale"]).copy_(q.scale)
-            fingerprints[sid] = _fingerprint(q.data, q.scale)
+            fingerprints[sid] = fingerprint(q.data, q.scale)
             requantized += 1
     return SyncReport(copied, requantized, fingerprints)

@@ -293,7 +293,7 @@ class SyncVerification:
 
 
 def _fingerprint(*tensors: torch.Tensor) -> str:
-    from ..backends.torch.sync import _fingerprint as fp  # the hash sync reports; one definition
+    from ..backends.torch.sync import fingerprint as fp  # the hash sync reports; one definition
 
     return fp(*tensors)
 
