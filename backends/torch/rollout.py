@@ -3,12 +3,16 @@
 Prefill runs the whole left-padded prompt batch in one call of the step graph, then every decode
 step feeds one token per row. The behaviour log-probabilities ``log q`` are recorded at sampling time
 from the same sampling distribution (temperature, top-p) the learner scores with.
+
+:meth:`TorchRollout.replay` is the paired-measurement counterpart of ``generate``: it feeds *given*
+response tokens through the same prefill/decode schedule and reads ``log q`` of each given token, so
+several rollout configurations can be compared on identical token sequences.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -121,3 +125,90 @@ class TorchRollout:
         full_ids = torch.cat([ids, resp], 1)
         full_mask = torch.cat([mask[:, :p], valid.long()], 1)
         return RolloutBatch(full_ids, full_mask, p, valid, torch.stack(out_lp, 1).float(), n)
+
+    @torch.no_grad()
+    def replay(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        step_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Behaviour log-probabilities of given response tokens (teacher-forced decode).
+
+        The exact schedule of :meth:`generate`: one prefill call over the left-padded prompt batch,
+        then one decode call per response position with one token per row, the same position ids,
+        cache positions and attention-mask updates; instead of sampling, row ``i`` feeds
+        ``responses[i][t]`` while ``t < len(responses[i])`` and the pad token afterwards (a row ends
+        where its list ends; EOS inside a list is not interpreted). ``log q`` of the given token is
+        read from :func:`qpass.sampling.sampling_logprobs` of the step's logits, as ``generate``
+        records it. Replaying every row of a ``generate`` batch (``batch_size`` rows, filler rows
+        included, responses = the valid tokens of each row) therefore reproduces its ``logq`` and
+        ``response_mask`` bit for bit: every forward call sees the same batch.
+
+        Args:
+            prompts: token ids per row (``1 <= len(prompts) <= batch_size``); missing rows of the
+                static batch are filled with the last prompt and the last response, as
+                ``generate`` fills prompts (so a partial batch is deterministic but is not the
+                batch ``generate`` would have run: its filler rows sample their own tokens).
+            responses: int token ids per row, same number of rows as ``prompts``; rows may be
+                empty, at least one must not be.
+            temperature, top_p: the sampling distribution (as in ``generate``).
+            step_fn: optional callable with the step graph's signature
+                ``(input_ids, position_ids, cache_position, attention_mask) -> logits`` used instead
+                of the graph module (e.g. an fx Interpreter over ``self.gm`` recording activations).
+        Returns:
+            ``(logq, mask)``: float32 ``[n, R]`` log-probabilities of the given tokens (0 where
+            invalid) and bool ``[n, R]`` validity, on CPU, ``n = len(prompts)``,
+            ``R = max(len(r) for r in responses)``.
+        Raises:
+            QpassError: row counts differ, no rows, more rows than the captured batch size, all
+                responses empty, or prompt + response longer than the captured cache.
+        """
+        n = len(prompts)
+        if n == 0 or n > self.batch_size:
+            raise QpassError(f"rollout graph was captured for batch {self.batch_size}, got {n} prompts")
+        if len(responses) != n:
+            raise QpassError(f"replay needs one response per prompt: {n} prompts, {len(responses)} responses")
+        lens = [len(r) for r in responses]
+        r_len = max(lens)
+        if r_len == 0:
+            raise QpassError("replay got only empty responses: nothing to score")
+        p = max(len(x) for x in prompts)
+        if p + r_len > self.max_len:
+            raise QpassError(f"prompt ({p}) + response ({r_len}) exceeds the KV cache ({self.max_len})")
+        step = self.gm if step_fn is None else step_fn
+        dev = self._device()
+        b = self.batch_size
+        rows = list(prompts) + [prompts[-1]] * (b - n)
+        lens = lens + [lens[-1]] * (b - n)
+        resp = torch.full((b, r_len), self.pad, dtype=torch.long)
+        for i, r in enumerate(list(responses) + [responses[-1]] * (b - n)):
+            if len(r):
+                resp[i, : len(r)] = torch.tensor([int(t) for t in r], dtype=torch.long)
+        alive_all = torch.arange(r_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [b, R]
+        ids = torch.full((b, p), self.pad, dtype=torch.long)
+        mask = torch.zeros(b, self.max_len, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, p - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, p - len(r):p] = 1
+        ids, mask, resp, alive_all = ids.to(dev), mask.to(dev), resp.to(dev), alive_all.to(dev)
+        pos = (mask[:, :p].cumsum(-1) - 1).clamp(min=0)
+        logits = step(ids, pos, torch.arange(p, device=dev), mask)[:, -1]
+        out_lp = []
+        last_pos = pos[:, -1]
+        for t in range(r_len):
+            lp = sampling_logprobs(logits, temperature, top_p)
+            alive = alive_all[:, t]
+            tok = resp[:, t]
+            picked = lp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            out_lp.append(torch.where(alive, picked, torch.zeros_like(tok, dtype=torch.float32)))
+            mask[:, p + t] = alive.long()
+            if t == r_len - 1:
+                break
+            last_pos = last_pos + 1
+            logits = step(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
+        logq = torch.stack(out_lp, 1).float()[:n].cpu()
+        return logq, alive_all[:n].cpu()

@@ -1,0 +1,156 @@
+"""``qpass study`` and ``TorchRollout.replay``.
+
+* replay of the tokens ``generate`` sampled reproduces generate's ``logq`` (and response mask) bit
+  for bit: on the default model (BF16 and W4A4 rollouts) and on the tiny random Llama with many
+  EOS ids, temperature and top-p (rows ending early, truncated sampling distribution);
+* a quick study on the default model: files exist, the JSON has every configuration, and the exact
+  relations hold (zero-channel RAC == plain W4A4 bit for bit in all four mode x selection combos,
+  k = 100% selects all channels and gives one log q for all four combos, BF16 replay == sampled).
+
+The default model is loaded once (the session fixture of ``conftest.py`` when present) and the
+module runs torch with one thread: on a CPU shared with other jobs, OpenMP oversubscription makes
+two threads ~10x slower.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qpass.backends.torch import TorchRollout
+from qpass.errors import QpassError
+from qpass.prompts import encode_chat, probe_prompts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def pipe(request):
+    """The default model captured with a 4-row static batch (shared session pipeline if available)."""
+    try:
+        return request.getfixturevalue("default_pipeline")
+    except pytest.FixtureLookupError:
+        from qpass.pipeline import Pipeline
+
+        return Pipeline.prepare("default", batch_size=4, max_len=64)
+
+
+def _rows(b) -> list[list[int]]:
+    return [b.responses[i][b.response_mask[i]].tolist() for i in range(b.input_ids.shape[0])]
+
+
+def _assert_replay_equals_generate(qg, prompts, pad, eos, **kw):
+    ro = TorchRollout(qg, pad_token_id=pad, eos_token_id=eos)
+    b = ro.generate(prompts, **kw)
+    full = list(prompts) + [prompts[-1]] * (ro.batch_size - len(prompts))  # the static batch generate ran
+    logq, mask = ro.replay(full, _rows(b), temperature=kw.get("temperature", 1.0), top_p=kw.get("top_p", 1.0))
+    assert logq.dtype == torch.float32 and mask.dtype == torch.bool
+    assert torch.equal(mask, b.response_mask.cpu())
+    assert torch.equal(logq.view(torch.int32), b.logq.cpu().view(torch.int32))  # bit for bit, -0.0 included
+    return b
+
+
+def test_replay_equals_generate_default_model(pipe):
+    from qpass.study import _passes, build_graph, rollout_specs
+
+    tok = pipe.tokenizer
+    prompts = encode_chat(tok, probe_prompts(3))  # 3 real rows + 1 filler row in the static batch of 4
+    bf16 = build_graph(pipe.base_step, "rollout", [])
+    b = _assert_replay_equals_generate(bf16, prompts, tok.pad_token_id, tok.eos_token_id, max_new_tokens=4, seed=3)
+    assert int(b.response_mask.sum()) > 0
+    w4a4 = build_graph(pipe.base_step, "rollout", _passes("rollout", rollout_specs(1)["w4a4"]))
+    _assert_replay_equals_generate(w4a4, prompts, tok.pad_token_id, tok.eos_token_id, max_new_tokens=4, seed=3)
+
+
+def test_replay_equals_generate_early_eos_top_p(tiny_pipeline):
+    from qpass.recipe import load_recipe
+
+    _, rollout = tiny_pipeline.build(load_recipe("quads_nvfp4"))
+    prompts = [[5, 6, 9, 10, 11], [12, 13], [20, 21, 22, 23], [30]]
+    eos = list(range(1, 40))  # ~15% of the vocabulary ends a row: rows stop at different steps
+    b = _assert_replay_equals_generate(rollout, prompts, 0, eos, max_new_tokens=12, seed=1, temperature=0.7, top_p=0.9)
+    lengths = b.response_mask.sum(1).tolist()
+    assert len(set(lengths)) > 1 and min(lengths) < 12  # early stops actually happened
+
+
+def test_replay_rejects_bad_input(tiny_pipeline):
+    ro = TorchRollout(tiny_pipeline.base_step, pad_token_id=0, eos_token_id=1)
+    with pytest.raises(QpassError, match="one response per prompt"):
+        ro.replay([[5, 6]], [[7], [8]])
+    with pytest.raises(QpassError, match="only empty responses"):
+        ro.replay([[5, 6]], [[]])
+    with pytest.raises(QpassError, match="exceeds the KV cache"):
+        ro.replay([[5, 6]], [list(range(2, 40))])
+
+
+def test_study_quick(pipe, tmp_path):
+    from qpass.study import QUICK_RATIOS, build_parser, config_from_args, run_study, write_outputs
+
+    out = tmp_path / "study"
+    cfg = config_from_args(build_parser().parse_args(["--quick", "--out", str(out), "--no-progress"]))
+    assert cfg.ratios == QUICK_RATIOS and cfg.layers == 1 and cfg.prompts == 2 and cfg.max_new_tokens == 3
+    res = run_study(cfg, pipe=pipe)
+    write_outputs(res, out)
+    for f in ("study.json", "study.md", "gap_vs_k.png", "layerwise.png", "operand_ablation.png"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    data = json.loads((out / "study.json").read_text())
+
+    # every configuration is present and measured
+    combos = [f"{m}_{s}" for m in ("masked", "gathered") for s in ("batch", "token")]
+    rollouts = {"bf16", "bf16_fp32acc", "w4a16", "w16a4", "w4a4"} | {f"rac_k{k}_{c}" for k in (50, 100) for c in combos} \
+        | {"rac_zero_channels_masked_batch", "rac_zero_channels_gathered_token"}
+    assert set(data["rollouts"]) == rollouts
+    assert set(data["learners"]) == {"bf16", "w_qdq", "a_qdq", "wa_qdq"}
+    pairs = {"floor", "floor_kernel", "op_w4a16", "op_w16a4", "op_w4a4", "qdq_w4a16_wqdq", "qdq_w16a4_aqdq", "quads_k0",
+             "sym_w4a4_waqdq", "rac_k0", "quads_ref"} | {f"rac_k{k}_{c}" for k in (50, 100) for c in combos}
+    assert set(data["pairs"]) == pairs
+    for k, p in data["pairs"].items():
+        assert p["replay"]["tokens"] == data["sampled"]["tokens"] > 0, k
+        assert p["replay"]["mean_abs"] >= 0 and p["replay"]["max_abs"] >= p["replay"]["mean_abs"], k
+    for k in ("floor", "op_w4a16", "op_w16a4", "op_w4a4"):
+        assert data["pairs"][k]["on_policy"]["tokens"] > 0
+    assert [p["k"] for p in data["rac"]["sweep"]["masked/batch"]] == [0.0, 0.5, 1.0]
+    assert set(data["layerwise"]["summary"]) == {"prefill", "decode"}
+    assert len(data["layerwise"]["per_site"]["decode"]["asym"]) == len(pipe.base_step.sites)
+    assert [c["id"] for c in data["claims"]] == ["C1", "C2a", "C2b", "C3", "C4", "C5"]
+
+    # exact relations
+    inv = data["invariants"]
+    assert inv["bf16_replay_equals_sampled_logq"] is True
+    assert inv["replay_masks_equal_sampled"] is True
+    assert inv["rac_zero_channels_logq_equals_w4a4"] == {"rac_zero_channels_masked_batch": True,
+                                                         "rac_zero_channels_gathered_token": True}
+    assert inv["rac_k100_logq_equal_across_mode_selection"] is True
+    assert all(inv[f"k100_{c}_selects_all_channels"] for c in combos)
+    assert inv["k100_compensation_equal_across_mode_selection"] is True
+    assert inv["floor_on_policy_equals_replay"] is True
+    sweep = data["rac"]["sweep"]
+    assert len({json.dumps(sweep[c][0], sort_keys=True) for c in sweep}) == 1  # k = 0 is one configuration
+    assert sweep["masked/batch"][0]["mean_abs"] == data["pairs"]["quads_k0"]["replay"]["mean_abs"]
+    k100 = {sweep[c][2]["mean_abs"] for c in sweep}
+    assert len(k100) == 1  # k = 100%: all four combos compute the same log q
+    # RAC FLOPs: masked pays a full second GEMM, gathered K' = ceil16(k) columns (288 of 576 at 50%)
+    cost = data["rac"]["cost"]["configs"]
+    assert cost["k50_masked_batch"]["extra_vs_rac_sites"] == 1.0
+    assert cost["k50_gathered_batch"]["k_prime"] == 288 and cost["k50_gathered_batch"]["extra_vs_rac_sites"] == 0.5
+    assert cost["k50_gathered_token"]["reference_extra_flops_per_token"] == cost["k50_masked_token"]["extra_flops_per_token"]
+    assert data["rac"]["timing"]["available"] is False  # CPU: FLOPs only
+    md = (out / "study.md").read_text()
+    for claim in ("C1", "C2a", "C2b", "C3", "C4", "C5"):
+        assert f"| {claim}: " in md
+
+
+def test_cli_rejects_bad_ratios(tmp_path):
+    from qpass.study import main
+
+    assert main(["--quick", "--out", str(tmp_path / "x"), "--ratios", "0,150"]) == 2
+    assert main(["--quick", "--out", str(tmp_path / "x"), "--ratios", "a,b"]) == 2
+    assert not (tmp_path / "x").exists()
