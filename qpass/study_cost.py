@@ -15,9 +15,10 @@ with RAC ratio ``r`` and ``k = floor(r K)`` selected channels (:func:`qpass.quan
 The quantization work (elements passed through the NVFP4 quantizer per token) is ``K`` for
 ``X``, plus ``K`` (masked) or ``K'`` (gathered) for the residual.
 
-Timing (CUDA only): median microseconds of ``torch.ops.qpass.nvfp4_linear`` under the study's
-kernel backend, timed with :func:`qpass.bench.time_fn` when that module imports (CUDA graphs,
-L2-flushing rotation), else with CUDA events. On CPU no time is reported (FLOPs only).
+Timing (CUDA only): median microseconds of one eager ``torch.ops.qpass.nvfp4_linear`` call under
+the study's kernel backend (Python dispatch and launch overhead included), timed with
+:func:`qpass.bench.time_fn` when that module imports (``do_bench`` median, L2 flushed), else with
+CUDA events. On CPU no time is reported (FLOPs only).
 """
 
 from __future__ import annotations
@@ -154,19 +155,20 @@ def time_rac_linear(
                     row[key] = "skipped: time budget"
                     continue
                 try:
-                    row[key] = _time(call, time_fn, graphs=kernels == "triton")
+                    row[key] = _time(call, time_fn)
                 except Exception as exc:  # noqa: BLE001 - record and continue
                     row[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows[f"M{m}_N{n}_K{k}"] = row
     return {"available": True, "reason": "", "timer": timer_name, "kernels": kernels, "rows": rows}
 
 
-def _time(call: Any, time_fn: Any, *, graphs: bool) -> float:
-    """Median us of ``call()``: ``qpass.bench.time_fn`` (CUDA graphs when ``graphs``; it falls back
-    to eager itself) or, if that cannot run (no triton), CUDA events over 20 calls."""
+def _time(call: Any, time_fn: Any) -> float:
+    """Median us of ``call()``, eager (launch overhead included; the reference op syncs the host,
+    so it cannot be graph-captured): ``qpass.bench.time_fn`` or, if that cannot run (no triton),
+    CUDA events over 20 calls."""
     if time_fn is not None:
         try:
-            us, _mode = time_fn(lambda i: (), call, 0, graphs=graphs)
+            us, _mode = time_fn(lambda i: (), call, 0, graphs=False)
             return float(us)
         except ImportError:
             pass
