@@ -141,7 +141,8 @@ def _nvfp4_linear_ref(
     rac_channels: torch.Tensor | None,
 ) -> torch.Tensor:
     w = NVFP4Tensor.from_parts(w_codes, w_scales, w_s_dec)
-    w_hat = cached_weight((w_codes, w_scales, w_s_dec), lambda: nvfp4_dequantize(w, torch.bfloat16))
+    # cached as float32 (exact: the decoded values are bf16) so each call skips the conversion
+    w_hat = cached_weight((w_codes, w_scales, w_s_dec), lambda: nvfp4_dequantize(w, torch.bfloat16).float())
     if act == "none":
         return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
     rac = RACConfig(rac_ratio, rac_mode, rac_selection) if rac_ratio > 0 else None
