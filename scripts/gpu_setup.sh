@@ -16,6 +16,8 @@ if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/qp:/tmp/site
 export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 TRITON_CACHE_DIR=/tmp/qp_triton_cache
+# never import the repository's own qpass/ (it lacks the backends/passes/recipes subpackages) from the cwd
+export PYTHONSAFEPATH=1
 mkdir -p /tmp/model
 if ls "$REPO"/.model/smollm2.gguf.part* >/dev/null 2>&1; then
   cp "$REPO"/.model/smollm2.gguf.part* /tmp/model/
