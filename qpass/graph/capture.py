@@ -140,6 +140,18 @@ def _unlift(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
         return ep.module()
 
 
+def _use_eager_attention(model: torch.nn.Module) -> bool:
+    """Switch a transformers model to eager attention; False if it already is or cannot switch."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) == "eager":
+        return False
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    else:
+        cfg._attn_implementation = "eager"
+    return getattr(cfg, "_attn_implementation", None) == "eager"
+
+
 def capture_scoring(model: torch.nn.Module, *, example_len: int = 16) -> CapturedGraph:
     """Export the scoring graph (dynamic batch and sequence length), with per-module fallback.
 
@@ -154,7 +166,15 @@ def capture_scoring(model: torch.nn.Module, *, example_len: int = 16) -> Capture
     bd, td = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("seq", min=2, max=8192)
     dyn = ({0: bd, 1: td}, {0: bd, 1: td}, {0: bd, 1: td})
     t0 = time.perf_counter()
-    ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
+    try:
+        ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
+    except CaptureError as exc:
+        # On CUDA, torch.export of SDPA attention can emit a shape guard its solver then rejects
+        # ("Constraints violated (seq)"); eager attention (matmul + softmax) exports everywhere.
+        if "Constraints violated" not in str(exc) or not _use_eager_attention(model):
+            raise
+        log.warning("torch.export rejected a shape guard of SDPA attention; capturing with eager attention instead")
+        ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
     gm = _unlift(ep)
     return CapturedGraph("scoring", ep, gm, time.perf_counter() - t0, opaque=opaque)
 
@@ -176,7 +196,13 @@ def capture_step(model: torch.nn.Module, *, batch_size: int, max_len: int, opaqu
     dyn = ({1: td}, {1: td}, {0: td}, None)
     t0 = time.perf_counter()
     with torch.no_grad():
-        ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
+        try:
+            ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
+        except CaptureError as exc:
+            if "Constraints violated" not in str(exc) or not _use_eager_attention(model):
+                raise
+            log.warning("torch.export rejected a shape guard of SDPA attention; capturing with eager attention instead")
+            ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
     gm = _unlift(ep)
     return CapturedGraph("step", ep, gm, time.perf_counter() - t0, batch_size=batch_size, max_len=max_len, opaque=opaque)
 
