@@ -117,14 +117,24 @@ def _export(
     from .fallback import OpaqueModule, find_culprit, opaque_modules
 
     opaque = list(opaque or [])
-    for _attempt in range(9):
+    deferred = False
+    for _attempt in range(10):
         try:
             with warnings.catch_warnings(), opaque_modules(model, [o.name for o in opaque]):
                 warnings.simplefilter("ignore")
-                return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False), opaque
+                ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
+                                         prefer_deferred_runtime_asserts_over_guards=deferred)
+                return ep, opaque
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001
+            if not deferred and "Constraints violated" in str(exc):
+                # Seen with torch 2.11 on CUDA: a shape guard that holds for every length in range,
+                # e.g. min(64*seq, 192*seq) == 64*seq, that the range solver cannot prove. Keep it as
+                # a runtime assert instead of rejecting the export.
+                log.warning("torch.export could not prove a shape guard (%s); retrying with runtime asserts", str(exc).splitlines()[0][:120])
+                deferred = True
+                continue
             culprit = find_culprit(exc, model)
             if culprit is None or culprit in {o.name for o in opaque} or len(opaque) >= 8:
                 raise CaptureError(f"torch.export could not capture the {what} graph: {type(exc).__name__}: {exc}") from exc
@@ -138,18 +148,6 @@ def _unlift(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ep.module()
-
-
-def _use_eager_attention(model: torch.nn.Module) -> bool:
-    """Switch a transformers model to eager attention; False if it already is or cannot switch."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "_attn_implementation", None) == "eager":
-        return False
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("eager")
-    else:
-        cfg._attn_implementation = "eager"
-    return getattr(cfg, "_attn_implementation", None) == "eager"
 
 
 def capture_scoring(model: torch.nn.Module, *, example_len: int = 16) -> CapturedGraph:
@@ -166,15 +164,7 @@ def capture_scoring(model: torch.nn.Module, *, example_len: int = 16) -> Capture
     bd, td = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("seq", min=2, max=8192)
     dyn = ({0: bd, 1: td}, {0: bd, 1: td}, {0: bd, 1: td})
     t0 = time.perf_counter()
-    try:
-        ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
-    except CaptureError as exc:
-        # On CUDA, torch.export of SDPA attention can emit a shape guard its solver then rejects
-        # ("Constraints violated (seq)"); eager attention (matmul + softmax) exports everywhere.
-        if "Constraints violated" not in str(exc) or not _use_eager_attention(model):
-            raise
-        log.warning("torch.export rejected a shape guard of SDPA attention; capturing with eager attention instead")
-        ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
+    ep, opaque = _export(ScoringWrapper(model), (ids, am, pos), dyn, "scoring", model)
     gm = _unlift(ep)
     return CapturedGraph("scoring", ep, gm, time.perf_counter() - t0, opaque=opaque)
 
@@ -196,13 +186,7 @@ def capture_step(model: torch.nn.Module, *, batch_size: int, max_len: int, opaqu
     dyn = ({1: td}, {1: td}, {0: td}, None)
     t0 = time.perf_counter()
     with torch.no_grad():
-        try:
-            ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
-        except CaptureError as exc:
-            if "Constraints violated" not in str(exc) or not _use_eager_attention(model):
-                raise
-            log.warning("torch.export rejected a shape guard of SDPA attention; capturing with eager attention instead")
-            ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
+        ep, opaque = _export(wrapper, (ids, pos, cpos, am), dyn, "decode-step", model, opaque)
     gm = _unlift(ep)
     return CapturedGraph("step", ep, gm, time.perf_counter() - t0, batch_size=batch_size, max_len=max_len, opaque=opaque)
 
