@@ -133,3 +133,45 @@ def test_fp8_linear(act, wgt):
     y = fp8_linear_triton(x, w.data, w.scale, None, act_spec=aspec, w_spec=w.spec)
     ref = fp8_dequantize(fp8_quantize(x, spec=aspec), torch.float32).double() @ fp8_dequantize(w, torch.float32).double().t()
     assert rel_fro(y, ref) < 1e-5, seed
+
+
+@pytest.mark.parametrize("mode,selection", [("masked", "batch"), ("gathered", "token"), ("gathered", "batch")])
+def test_w4a4_rac_large_path_tiles(mode, selection):
+    """The prefill (M > 64) tile shape: BM = BN = 128, BK = 64, 8 warps, with the RAC operand.
+
+    Regression for the H200 failure of the dense RAC second segment at M = 2048 (rel err 4e-3,
+    docs/results/h200/selfcheck.json): the dense operand now shares the K loop and the decoded
+    weight tile with the main operand. The interpreter cannot reproduce a GPU miscompile; this pins
+    the arithmetic of the large-tile kernel (two M tiles, a ragged K tail, the 32-wide gathered tile).
+    """
+    import triton
+
+    from qpass.backends.triton._loader import kernel_lib
+    from qpass.backends.triton.rac import rac_run
+
+    G = kernel_lib(torch.device("cpu")).nvfp4_gemm  # the interpreter's copy of the kernel module
+
+    seed = fresh_seed()
+    m, n, k = 130, 128, 144
+    w = nvfp4_quantize(torch.randn(n, k) * 0.05)
+    wh = nvfp4_dequantize(w, torch.bfloat16).double()
+    x = activations(m, k, torch.bfloat16)
+    ops = rac_run(x, RACConfig(0.5, mode, selection), NVFP4_ACT, outputs="gemm")
+    if ops.gather_idx is None:
+        comp = ops.comp.double()
+    else:
+        comp = torch.zeros(m, k, dtype=torch.float64)
+        gi = ops.gather_idx.long()
+        comp[:, gi[gi >= 0]] = ops.comp.double()[:, gi >= 0]
+    ref = ops.x_hat.double() @ wh.t() + comp @ wh.t()
+    out = torch.full((m, n), float("nan"))
+    sdec = w.s_dec.reshape(1).float()
+    a2 = ops.comp
+    gidx = ops.gather_idx if ops.gather_idx is not None else sdec
+    G._nvfp4_gemm_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 128), 1)](
+        ops.x_hat, ops.x_hat.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec,
+        a2, a2.stride(0), a2.shape[1], gidx, sdec, out, out.stride(0), sdec, m, n, k, 256,
+        BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=1, SEG2=1 if ops.gather_idx is None else 2, A_F32=False,
+        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, num_warps=8,
+    )
+    assert rel_fro(out, ref) < 1e-5, seed

@@ -133,21 +133,27 @@ def _decode_w_tile_lut(words, s2, sdec, A_F32: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
-def _dense_step(acc, a_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb,
-                A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr):
-    """One K tile: load activation/code/scale tiles at ``k0``, decode the weight, accumulate.
+def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr, TWO: tl.constexpr):
+    """One K tile: load activation/code/scale tiles at ``k0``, decode the weight once, accumulate.
 
     ``c_base`` addresses code bytes ``[BN, BK/16, 8]`` or, with ``LUT``, int32 code words
-    ``[BN, BK/16, 2]`` (4 bytes each).
+    ``[BN, BK/16, 2]`` (4 bytes each). With ``TWO`` the same decoded tile also multiplies the
+    second (dense RAC) operand at ``a2_base``: a second accumulation into the same fp32 tile.
     """
     cdiv: tl.constexpr = 8 if LUT else 2  # K elements per addressed code unit
     if MASK_K:
-        a = tl.load(a_base + k0, mask=rmask[:, None] & ((k0 + ka) < K)[None, :], other=0.0)
+        amask = rmask[:, None] & ((k0 + ka) < K)[None, :]
+        a = tl.load(a_base + k0, mask=amask, other=0.0)
+        if TWO:
+            a2 = tl.load(a2_base + k0, mask=amask, other=0.0)
         kin = (k0 + kb * 16) < K
         codes3 = tl.load(c_base + k0 // cdiv, mask=nmask[:, None, None] & kin[None, :, None], other=0)
         s2 = tl.load(s_base + k0 // 16, mask=nmask[:, None] & kin[None, :], other=0)
     else:  # full tile: masks constant along K, so the loads vectorise
         a = tl.load(a_base + k0, mask=rmask[:, None], other=0.0)
+        if TWO:
+            a2 = tl.load(a2_base + k0, mask=rmask[:, None], other=0.0)
         codes3 = tl.load(c_base + k0 // cdiv, mask=nmask[:, None, None], other=0)
         s2 = tl.load(s_base + k0 // 16, mask=nmask[:, None], other=0)
     if A_F32:
@@ -156,21 +162,31 @@ def _dense_step(acc, a_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb,
         w = _decode_w_tile_lut(codes3, s2, sdec, A_F32, BN, BK)
     else:
         w = _decode_w_tile(codes3, tl.expand_dims(s2, 2), sdec, A_F32, BN, BK)
-    return dot_acc(w, tl.trans(a), acc)
+    acc = dot_acc(w, tl.trans(a), acc)
+    if TWO:
+        acc = dot_acc(w, tl.trans(a2), acc)
+    return acc
 
 
 @triton.jit
 def _dense_segment(
-    acc, a_ptr, stride_am, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec, ncols64, nmask,
-    pid_k, SPLIT_K: tl.constexpr, A_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    STAGES: tl.constexpr, DECODE: tl.constexpr,
+    acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
+    ncols64, nmask, pid_k, SPLIT_K: tl.constexpr, A_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr,
 ):
-    """``acc += W_hat[ncols, :] @ A[rows, :]^T`` over this split's K tiles (tile t goes to split t % SPLIT_K)."""
+    """``acc += W_hat[ncols, :] @ A[rows, :]^T`` (``+ W_hat[ncols, :] @ A2[rows, :]^T`` with ``TWO``)
+    over this split's K tiles (tile t goes to split t % SPLIT_K).
+
+    The dense RAC operand shares the K loop and the decoded weight tile: one decode, two MMAs per
+    tile. (Two back-to-back pipelined K loops, the earlier form, gave wrong sums for M > 64 on the
+    H200 with Triton 3.6 while the interpreter was exact; see BENCHMARKS.md.)
+    """
     LUT: tl.constexpr = (DECODE == 1) and (not INTERP)
     ka = tl.arange(0, BK)
     kb = tl.arange(0, BK // 16)
     rows64 = rows.to(tl.int64)
     a_base = a_ptr + rows64[:, None] * stride_am + ka[None, :]
+    a2_base = a2_ptr + rows64[:, None] * stride_a2m + ka[None, :]
     if LUT:  # int32 words: 2 per 16-element block (row stride K/2 bytes is a multiple of 8)
         kw = tl.arange(0, 2)
         c_base = (w_codes_ptr.to(tl.pointer_type(tl.int32)) + ncols64[:, None, None] * (stride_wn // 4)
@@ -181,11 +197,12 @@ def _dense_segment(
     s_base = w_scales_ptr + ncols64[:, None] * stride_sn + kb[None, :]
     k_full = (K // BK) * BK
     for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K, num_stages=STAGES):
-        acc = _dense_step(acc, a_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK, False, LUT)
+        acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK,
+                          False, LUT, TWO)
     if k_full < K:
         if (k_full // BK) % SPLIT_K == pid_k:
-            acc = _dense_step(acc, a_base, c_base, s_base, k_full, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK, True,
-                              LUT)
+            acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k_full, K, rmask, nmask, sdec, ka, kb, A_F32, BN,
+                              BK, True, LUT, TWO)
     return acc
 
 
@@ -230,11 +247,9 @@ def _nvfp4_gemm_kernel(
     ncols64 = ncols.to(tl.int64)
     sdec = tl.load(w_sdec_ptr)
     acc = tl.full((BN, BM), 0.0, tl.float32)
-    acc = _dense_segment(acc, a_ptr, stride_am, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
-                         ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE)
-    if SEG2 == 1:
-        acc = _dense_segment(acc, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
-                             sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE)
+    acc = _dense_segment(acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn,
+                         w_scales_ptr, stride_sn, sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE,
+                         SEG2 == 1)
     if SEG2 == 2:
         # per-element weight gathers are register-hungry: narrower K tiles than the dense loop
         GBK: tl.constexpr = 64 if BN * BM <= 64 * 64 else 32
