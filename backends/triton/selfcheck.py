@@ -222,13 +222,16 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
     def gemm_w4a16():
         w = nvfp4_quantize((torch.randn(n_big, n_big, device=dev) * 0.02).to(torch.bfloat16))
-        wh = nvfp4_dequantize(w, torch.bfloat16).double()
-        errs = {}
+        whb = nvfp4_dequantize(w, torch.bfloat16)
+        wh = whb.double()
+        errs, floors = {}, {}
         for m in (1, 16, m_big):
             x = _acts(m, n_big, dev)
             y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32)
             errs[m] = _rel(y, x.double() @ wh.t())
-        return max(errs.values()) < 1e-5, f"rel err by M: {errs}"
+            floors[m] = _cublas_floor([(x, whb)], 0.0, x.double() @ wh.t())
+        fl = "" if floors[1] is None else f"; cuBLAS on the same bf16 terms: {floors}"
+        return max(errs.values()) < 1e-5, f"rel err by M: {errs}{fl}"
 
     rep.run(f"W4A16 bf16 GEMM N=K={n_big} vs fp64", gemm_w4a16)
 

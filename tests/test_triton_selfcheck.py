@@ -1,0 +1,35 @@
+"""The GPU self-check module at toy sizes on the CPU interpreter: every check runs and passes, and a
+GEMM that is off by one part in 1e4 is reported as a failure (the check can fail)."""
+
+from __future__ import annotations
+
+import torch
+
+import qpass.backends.triton as qt
+from qpass.backends.triton.selfcheck import Report, checks
+
+
+def test_selfcheck_tiny_passes_on_the_interpreter():
+    rep = Report()
+    checks(rep, torch.device("cpu"), big=64, tiny=True)
+    names = [i["name"] for i in rep.items]
+    assert len(names) == 17 and any("RAC" in n and "GEMM" in n for n in names), names  # no CUDA-graph check on CPU
+    failed = [(i["name"], i["detail"]) for i in rep.items if not i["ok"]]
+    assert not failed, failed
+
+
+def test_selfcheck_reports_a_gemm_error(monkeypatch):
+    real = qt.w4a4_linear_triton
+
+    def off_by_1e4(*args, **kwargs):
+        y = real(*args, **kwargs)
+        return y * (1 + 1e-4)
+
+    monkeypatch.setattr(qt, "w4a4_linear_triton", off_by_1e4)
+    rep = Report()
+    checks(rep, torch.device("cpu"), big=64, tiny=True)
+    by_name = {i["name"]: i for i in rep.items}
+    gemm = [i for n, i in by_name.items() if n.startswith("W4A4 (+RAC) GEMM")]
+    assert len(gemm) == 3 and not any(i["ok"] for i in gemm)
+    assert "max rel err 1.00e-04" in gemm[0]["detail"]
+    assert by_name["W4A16 bf16 GEMM N=K=64 vs fp64"]["ok"]
