@@ -50,6 +50,7 @@ def atomic_dir(final: Path, *, force: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     try:
         yield tmp
+        _umask_permissions(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -60,6 +61,21 @@ def atomic_dir(final: Path, *, force: bool = False) -> Iterator[Path]:
     tmp.rename(final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask_permissions(root: Path) -> None:
+    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would have.
+
+    ``tempfile.mkdtemp`` creates 0700 and safetensors' ``save_file`` writes 0600 files; a finished
+    output directory is meant to be read by others as the process umask allows (0755 / 0644 at
+    umask 022).
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    for dirpath, _dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
 
 
 def write_json(path: Path, data: Any) -> None:

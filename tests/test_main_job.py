@@ -6,6 +6,7 @@ Slow tier (loads the 135M model once per session via the shared fixture); part o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,11 @@ def test_apply_quads_report(quads_run):
               "rollout/weights.safetensors", "rollout/hf_quant_config.json", "rollout/recipe.yaml", "learner/model.safetensors"):
         assert (out / f).is_file(), f
     assert not list(out.parent.glob(".quads.partial-*"))
+    # modes as the umask gives plain files (mkdtemp makes 0700, safetensors writes 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out.stat().st_mode & 0o777, (out / "learner" / "model.safetensors").stat().st_mode & 0o777) == (
+        0o777 & ~mask, 0o666 & ~mask)
     w = load_file(str(out / "rollout" / "weights.safetensors"))
     assert w[f"{SITE}.weight"].dtype == torch.uint8 and w[f"{SITE}.weight"].shape == (1536, 288)
     assert w[f"{SITE}.weight_scale"].dtype == torch.float8_e4m3fn and w[f"{SITE}.weight_scale"].shape == (1536, 36)
