@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -26,7 +27,15 @@ from typing import Any
 import torch
 
 from . import __version__
-from .artifacts import atomic_dir, load_learner_into, load_rollout_into, save_learner, save_rollout, write_json
+from .artifacts import (
+    atomic_dir,
+    load_learner_into,
+    load_rollout_into,
+    probe_safetensors,
+    save_learner,
+    save_rollout,
+    write_json,
+)
 from .errors import QpassError
 from .graph.qgraph import QGraph
 from .recipe import LogprobGapCheck, Recipe, load_recipe
@@ -55,9 +64,12 @@ class ApplyOptions:
 
 
 def _console():
+    import shutil
+
     from rich.console import Console
 
-    return Console(stderr=True)
+    # never wrap messages at 80 columns when stderr is not a terminal (logs, pipes)
+    return Console(stderr=True, width=None if sys.stderr.isatty() else max(160, shutil.get_terminal_size().columns))
 
 
 def gap_options(recipe: Recipe, o: ApplyOptions) -> LogprobGapCheck:
@@ -138,7 +150,7 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
     instead of loading and capturing again; its step graph must have room for the probe.
     """
     from .backends.torch import TorchRollout  # noqa: F401 - import check before long work
-    from .ops import use_kernels
+    from .ops import effective_backend, use_kernels
     from .parity.behavior import logprob_gap
     from .parity.checker import check_structural, check_weights_bitexact
     from .pipeline import Pipeline
@@ -151,6 +163,10 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
     if o.device == "cuda" and not torch.cuda.is_available():
         raise QpassError("--device cuda requested but torch.cuda.is_available() is False")
     gopt = gap_options(recipe, o)
+    kernels_eff = effective_backend(o.kernels, o.device)
+    if kernels_eff != o.kernels:
+        con.print(f"[yellow]warning: --kernels {o.kernels} on {o.device} runs the {kernels_eff} ops "
+                  "(Triton kernels need CUDA, or TRITON_INTERPRET=1 for the slow CPU interpreter)[/]")
     timings: dict[str, float] = {}
     with atomic_dir(out, force=o.force) as tmp, use_kernels(o.kernels):
         with con.status(f"loading {o.model} and capturing graphs (torch.export)..."):
@@ -219,30 +235,36 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
                     t0 = time.perf_counter()
                     floor = logprob_gap(pipe.base_scoring, pipe.base_step, prompts, **kw)
                     timings["floor_s"] = time.perf_counter() - t0
-            ok = True
-            detail = f"mean |d| {gap.metrics.token.g_abs:.4f}"
+            ok = None  # informational unless the recipe gates it with max_abs_gap
+            detail = f"mean |d| {gap.metrics.token.g_abs:.4f} (not gated: the recipe sets no max_abs_gap)"
             if gopt.max_abs_gap is not None:
+                detail = f"mean |d| {gap.metrics.token.g_abs:.4f}"
                 ok = gap.metrics.token.g_abs <= gopt.max_abs_gap
                 detail += f" (limit {gopt.max_abs_gap})"
                 if not ok:
                     problems.append(f"log-prob gap {gap.metrics.token.g_abs:.4f} exceeds max_abs_gap {gopt.max_abs_gap}")
             checks.append({"check": "logprob_gap", "ok": ok, "detail": detail})
             with con.status("diagnostics and plots..."):
+                t0 = time.perf_counter()
                 try:
                     plots.update(_diagnostics_and_plots(recipe, learner, rollout, gap, floor, tmp, diag))
                 except ImportError as exc:  # e.g. no matplotlib on a GPU box: numbers stay in report.json
                     diag["plots_skipped"] = f"{type(exc).__name__}: {exc}"
+                timings["diagnostics_s"] = time.perf_counter() - t0
 
         with con.status("writing artifacts..."):
+            t0 = time.perf_counter()
             files = {"rollout": save_rollout(rollout, tmp / "rollout", recipe.text, {"recipe": recipe.name, "qpass_version": __version__})}
             if o.save_learner:
                 files["learner"] = {"state": "learner/model.safetensors", "tensors": save_learner(learner, tmp / "learner" / "model.safetensors")}
+            timings["write_s"] = time.perf_counter() - t0
         fails = [c for c in checks if c["ok"] is False]
         report = {
             "qpass_version": __version__,
             "recipe": recipe.to_json() | {"text": recipe.text},
             "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model},
             "kernels": o.kernels,
+            "kernels_effective": kernels_eff,
             "sites": site_counts(learner, rollout) | {
                 "uncaptured": uncaptured_linears(lm.model, rollout.sites, pipe.base_scoring.captured.opaque),
                 "opaque_modules": [dataclasses.asdict(o) for o in pipe.base_scoring.captured.opaque]},
@@ -324,10 +346,13 @@ def _print_summary(con: Any, report: dict[str, Any], out: Path) -> None:
     fmt = lambda v: "n/a" if v is None else ("[green]pass[/]" if v else "[red]FAIL[/]")  # noqa: E731
     t.add_row("structural", fmt(p["structural_ok"]))
     t.add_row("weights bit-exact", fmt(p["weights_bitexact"]) + (f" ({len(p['mismatched_groups'])} groups differ)" if p["mismatched_groups"] else ""))
+    gated = {c["check"]: c["ok"] for c in p.get("checks", [])}.get("logprob_gap")
     for key, label in (("logprob_gap", "log-prob gap (recipe)"), ("floor_logprob_gap", "log-prob gap (bf16 floor)")):
         g = p.get(key)
         if g:
-            t.add_row(label, f"mean|d| {g['mean_abs']:.4f}  max|d| {g['max_abs']:.3f}  K1 {g['k1']:.4f}  K3 {g['k3']:.4f}  ({g['tokens']} tokens)")
+            verdict = "" if key != "logprob_gap" else (" (not gated)" if gated is None else f" {fmt(gated)}")
+            t.add_row(label, f"mean|d| {g['mean_abs']:.4f}  max|d| {g['max_abs']:.3f}  K1 {g['k1']:.4f}  K3 {g['k3']:.4f}  "
+                             f"({g['tokens']} tokens){verdict}")
     con.print(t)
     for prob in p["problems"][:10]:
         con.print(f"[red]- {prob}[/]")
@@ -346,9 +371,20 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
 
     con = _console()
     path = Path(target)
-    saved = path.is_dir() and (path / "report.json").is_file()
+    if path.is_dir() and not (path / "report.json").is_file():
+        raise QpassError(f"{path} is not a `qpass apply` output directory (no report.json); "
+                         "qpass check takes such a directory or a recipe")
+    if not path.exists() and (os.sep in target or target.endswith(os.sep)) and not target.endswith((".yaml", ".yml")):
+        raise QpassError(f"{path} does not exist; qpass check takes a `qpass apply` output directory or a recipe")
+    saved = path.is_dir()
+    expected: dict[str, int] = {}
     if saved:
         rep = json.loads((path / "report.json").read_text())
+        # validate the artifacts before the (slow) model load: a missing or corrupt file is bad input
+        if rep.get("artifacts", {}).get("rollout", {}).get("weights"):
+            expected["rollout_tensors"] = probe_safetensors(path / "rollout" / "weights.safetensors", "rollout weights")
+        if rep.get("artifacts", {}).get("learner"):
+            expected["learner_tensors"] = probe_safetensors(path / "learner" / "model.safetensors", "learner state")
         recipe = parse_recipe(rep["recipe"]["text"], str(path / "rollout" / "recipe.yaml"))
         model = o.model if o.model != "default" else rep["model"].get("ref", "default")
         probe = rep["parity"]["probe"]
@@ -359,11 +395,13 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
         pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
         learner, rollout = pipe.build(recipe, debug=True)
         loaded = {}
-        if saved:
-            if (path / "learner" / "model.safetensors").is_file():
-                loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
-            if (path / "rollout" / "weights.safetensors").is_file():
-                loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
+        if "learner_tensors" in expected:
+            loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
+        if "rollout_tensors" in expected:
+            loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
+    if saved:
+        con.print(f"loaded from {path}: " + (", ".join(f"{v} {k.replace('_', ' ')}" for k, v in loaded.items())
+                                             or "no tensors (the recipe quantizes nothing; graphs rebuilt only)"))
     result: dict[str, Any] = {"target": target, "recipe": recipe.name, "loaded": loaded}
     ok = True
     s = check_structural(learner, rollout)

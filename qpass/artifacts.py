@@ -37,15 +37,21 @@ from .graph.qgraph import QGraph
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path, *, force: bool = False) -> Iterator[Path]:
+def atomic_dir(final: Path, *, force: bool = False, marker: str = "report.json") -> Iterator[Path]:
     """Yield a temp directory that becomes ``final`` only if the block completes.
 
+    With ``force``, an existing ``final`` is replaced only if it is an empty directory or a previous
+    qpass output (it holds ``marker``): ``--force`` never deletes an unrelated directory.
+
     Raises:
-        QpassError: ``final`` exists and ``force`` is False.
+        QpassError: ``final`` exists and ``force`` is False, or ``final`` is not replaceable.
     """
     final = Path(final)
     if final.exists() and not force:
         raise QpassError(f"output directory {final} already exists (pass --force to replace it)")
+    if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / marker).is_file())):
+        raise QpassError(f"--force replaces only an empty directory or a previous qpass output (with {marker}); "
+                         f"{final} is {'a file' if not final.is_dir() else f'a non-empty directory without {marker}'}")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     try:
@@ -135,7 +141,9 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     tensors = rollout_tensors(rollout)
     files: dict[str, Any] = {}
     if tensors:
-        save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout", "recipe": meta.get("recipe", "")})
+        # one metadata key: safetensors orders the header's metadata map arbitrarily, so a second key
+        # would make the file's bytes differ between identical runs (the recipe is in recipe.yaml)
+        save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout"})
         files["weights"] = "weights.safetensors"
     nvfp4 = [s for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear"]
     fp8 = [s for s, r in rollout.quant.items() if r.get("kind") == "fp8_linear"]
@@ -166,14 +174,39 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     return files
 
 
+def probe_safetensors(path: Path, what: str) -> int:
+    """Read the header of a saved ``.safetensors`` file (no tensor data). Returns its tensor count.
+
+    Raises:
+        QpassError: the file is missing, truncated or not a safetensors file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise QpassError(f"{what} {path} is missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return len(list(f.keys()))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise QpassError(f"{what} {path} is not a readable safetensors file: {exc}") from exc
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise QpassError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
 def load_rollout_into(rollout: QGraph, path: Path) -> int:
     """Overwrite the rollout graph's quantized constants with a saved ``weights.safetensors``.
 
     Returns the number of tensors loaded.
     Raises:
-        QpassError: a site of the graph is missing from the file, or shapes/dtypes differ.
+        QpassError: unreadable file, a site of the graph is missing from the file, or shapes/dtypes differ.
     """
-    data = load_file(str(path))
+    data = _load(path)
     n = 0
     for sid, rec in rollout.quant.items():
         c = rec.get("constants")
@@ -219,8 +252,12 @@ def save_learner(learner: QGraph, path: Path) -> int:
 
 
 def load_learner_into(learner: QGraph, path: Path) -> int:
-    """Load master weights saved by :func:`save_learner` (tied parameters get the same values)."""
-    data = load_file(str(path))
+    """Load master weights saved by :func:`save_learner` (tied parameters get the same values).
+
+    Raises:
+        QpassError: unreadable file, or no parameter of the graph in it.
+    """
+    data = _load(path)
     n = 0
     with torch.no_grad():
         for name, p in learner.gm.named_parameters(remove_duplicate=False):

@@ -1,4 +1,4 @@
-"""``qpass`` command line.
+"""usage: qpass COMMAND [ARGS]   (qpass COMMAND --help for a command's options)
 
     qpass apply RECIPE --model default --out DIR     recipe -> learner + rollout graphs + parity report
     qpass check DIR|RECIPE                           re-verify parity (saved artifacts or a recipe)
@@ -8,7 +8,9 @@
     qpass grpo-plot RUN_DIR... --out PNG             overlay GRPO curves
     qpass study --out DIR                            QUADS ablations on the default model
 
-Exit status: 0 ok, 1 a parity check failed, 2 bad input (recipe, model path, flags), 130 interrupted.
+Exit status: 0 ok, 1 a parity check failed, 2 bad input (recipe, model path, flags, artifacts),
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM); outputs are written atomically, so an
+interrupted run leaves no partial output directory.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so cleanup runs as for Ctrl-C."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qpass`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -99,8 +105,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .errors import CaptureError, ParityError, QpassError, RecipeError
 
+    import signal
+
+    def _terminate(signum: int, _frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = None
+    try:  # SIGTERM unwinds like Ctrl-C, so atomic outputs are removed (main thread only)
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:
+        pass
     try:
         return int(cmd(argv[1:]) or 0)
+    except _Terminated:
+        print("qpass: terminated; no partial output directory was left behind", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("qpass: interrupted; no partial output directory was left behind", file=sys.stderr)
         return 130
@@ -113,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except QpassError as exc:
         print(f"qpass: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

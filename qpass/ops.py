@@ -74,6 +74,16 @@ def current_backend() -> str:
     return _BACKEND.get()
 
 
+def effective_backend(name: str, device: str | torch.device) -> str:
+    """The kernels that will actually run for backend ``name`` on ``device``: ``triton`` off CUDA
+    runs the reference ops unless ``TRITON_INTERPRET=1`` (the same rule as the dispatcher)."""
+    import os
+
+    if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "reference"
+    return name
+
+
 _FALLBACK_WARNED: set[str] = set()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -88,7 +89,8 @@ class PassContext:
 
     Attributes:
         debug: verify the graph after every pass.
-        reproducer_dir: where failure reproducers go (None: a temp dir).
+        reproducer_dir: where failure reproducers go (None: ``$QPASS_REPRODUCER_DIR``, else
+            ``<tempdir>/qpass_reproducers``).
         calibration: callable ``(qgraph, site_ids) -> {site: activation [M, K]}`` used by passes
             that calibrate (static RAC); None if the caller provides no calibration data.
         recipe_path: for messages.
@@ -251,7 +253,7 @@ class PassManager:
     def _reproducer(self, p: Pass, qg: QGraph, ctx: PassContext, exc: BaseException) -> Path:
         import tempfile
 
-        base = ctx.reproducer_dir or Path(tempfile.gettempdir()) / "qpass_reproducers"
+        base = ctx.reproducer_dir or os.environ.get("QPASS_REPRODUCER_DIR") or Path(tempfile.gettempdir()) / "qpass_reproducers"
         d = Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}_{qg.side}_{p.name}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "graph.py").write_text(qg.gm.code)

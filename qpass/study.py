@@ -240,9 +240,11 @@ def _environment(cfg: StudyConfig) -> dict[str, Any]:
         env["device_name"] = torch.cuda.get_device_name(0)
     else:
         env["device_name"] = platform.processor() or platform.machine()
-    eff = cfg.kernels
-    if cfg.kernels == "triton" and cfg.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        eff = "reference (triton falls back to reference off CUDA)"
+    from .ops import effective_backend
+
+    eff = effective_backend(cfg.kernels, cfg.device)
+    if eff != cfg.kernels:
+        eff += f" ({cfg.kernels} falls back to reference off CUDA)"
     env["effective_kernels"] = eff
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -666,7 +668,7 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Pat
     from .artifacts import atomic_dir
     from .study_report import to_markdown, write_plots
 
-    with atomic_dir(Path(out), force=force) as tmp:
+    with atomic_dir(Path(out), force=force, marker="study.json") as tmp:
         plots = write_plots(res, tmp)
         res = {**res, "plots": plots}
         (tmp / "study.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")

@@ -16,6 +16,14 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _reproducers_in_tmp(tmp_path_factory):
+    """Pass-failure reproducers written by tests go to pytest's temp dir, not the shared /tmp."""
+    os.environ["QPASS_REPRODUCER_DIR"] = str(tmp_path_factory.mktemp("reproducers"))
+    yield
+    os.environ.pop("QPASS_REPRODUCER_DIR", None)
+
+
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """A 2-layer Llama with random weights (hidden 64, MLP 128, 4 heads / 2 KV heads, vocab 256)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,82 @@ def test_model_without_linear_layers_is_a_clear_error():
 
     with pytest.raises(CaptureError, match="no linear projection"):
         Pipeline.prepare(loaded=LoadedModel(NoLinear(), None, "no-linear", "test"))
+
+
+def test_check_rejects_missing_or_corrupt_artifacts_before_loading(quads_run, default_pipeline, tmp_path, capsys):
+    import shutil
+
+    from qpass.errors import QpassError
+
+    _, _, out = quads_run
+    d = tmp_path / "copy"
+    (d / "rollout").mkdir(parents=True)
+    shutil.copy(out / "report.json", d / "report.json")
+    for f in (out / "rollout").iterdir():
+        shutil.copy(f, d / "rollout" / f.name)
+    # the report lists a learner state that is not there
+    with pytest.raises(QpassError, match=r"learner state .*model.safetensors is missing"):
+        run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
+    rep = json.loads((d / "report.json").read_text())
+    del rep["artifacts"]["learner"]
+    (d / "report.json").write_text(json.dumps(rep))
+    status, res = run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
+    assert res["loaded"] == {"rollout_tensors": 3 * 210} and status in (0, 1)  # 1 if a test planted a bit first
+    weights = d / "rollout" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    with pytest.raises(QpassError, match="rollout weights .* is not a readable safetensors file"):
+        run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
+    weights.unlink()
+    capsys.readouterr()
+    assert cli_main(["check", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "rollout weights" in err and "is missing" in err
+    (d / "report.json").unlink()
+    with pytest.raises(QpassError, match="not a `qpass apply` output directory"):
+        run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
+
+
+def test_force_replaces_only_empty_or_previous_qpass_output(tmp_path):
+    from qpass.artifacts import atomic_dir
+    from qpass.errors import QpassError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(QpassError, match="non-empty directory without report.json"):
+        with atomic_dir(mine, force=True):
+            pass
+    assert (mine / "notes.txt").read_text() == "keep me"
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    (prev / "report.json").write_text("{}")
+    with atomic_dir(prev, force=True) as tmp:
+        (tmp / "new.txt").write_text("x")
+    assert sorted(p.name for p in prev.iterdir()) == ["new.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_dir(empty, force=True) as tmp:
+        (tmp / "a").write_text("y")
+    assert (empty / "a").read_text() == "y"
+
+
+def test_sigterm_during_apply_leaves_no_output(tmp_path, monkeypatch, capsys):
+    import signal
+
+    import qpass.apply as apply_mod
+    from qpass.artifacts import atomic_dir
+
+    def fake_run_apply(recipe, out, o, **kw):
+        with atomic_dir(out) as tmp:
+            (tmp / "report.json").write_text("{}")
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler raises at the next bytecode boundary
+                time.sleep(0.001)
+        raise AssertionError("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(apply_mod, "run_apply", fake_run_apply)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli_main(["apply", "quads_nvfp4", "--out", str(tmp_path / "o")]) == 143
+    assert "terminated" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither DIR nor .DIR.partial-*
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -94,7 +94,7 @@ def load_model(model: str = "default", *, dtype: torch.dtype = torch.bfloat16, d
     else:
         p = Path(model).expanduser()
         if not p.exists():
-            raise CaptureError(f"model path {model!r} does not exist (use --model default or a Hugging Face model directory)")
+            raise CaptureError(f"model path {model!r} does not exist (use --model default, a Hugging Face model directory or a .gguf file)")
         if p.is_file() and p.suffix == ".gguf":
             directory, gguf, name = p.parent, p.name, p.name
         elif p.is_dir() and (p / "config.json").is_file():
