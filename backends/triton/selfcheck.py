@@ -225,7 +225,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
         whb = nvfp4_dequantize(w, torch.bfloat16)
         wh = whb.double()
         errs, floors = {}, {}
-        for m in (1, 16, m_big):
+        for m in (1, 16, 128, m_big):
             x = _acts(m, n_big, dev)
             y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32)
             errs[m] = _rel(y, x.double() @ wh.t())

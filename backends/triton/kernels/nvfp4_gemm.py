@@ -364,8 +364,11 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
         _nvfp4_gemm_kernel[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, num_warps=4,
                                  **common)
-    elif m <= 64:
-        bm = max(16, triton.next_power_of_2(m))
+    elif m <= 64 or (m <= 128 and 2 * triton.cdiv(n, 128) * triton.cdiv(m, 128) <= num_sms):
+        # M <= 64; and M <= 128 when 128 x 128 tiles would fill at most half of the SMs: there the
+        # split-K small-M kernel (two 64-row tiles) is 2-2.6x faster on the H200 (N = 4096), while at
+        # N = 14336 the large tiling is ahead (0.39x vs 0.28x BF16); BENCHMARKS.md
+        bm = min(64, max(16, triton.next_power_of_2(m)))
         bn = 64
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
         split = max(1, min(8, _pow2_floor((2 * num_sms) // tiles), _pow2_floor(max(1, k // 512))))
