@@ -420,6 +420,10 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
             ok = False
             for f in b.failures()[:20]:
                 con.print(f"[red]bit-level: {f}[/]")
+            if "learner_tensors" in loaded:
+                con.print("the rollout bytes were compared with a fresh quantization of the saved learner master "
+                          "weights: a changed byte in either file shows up here (most codes of a site differing "
+                          "usually means the learner state changed)")
     if behavioral:
         from .parity.behavior import logprob_gap
         from .prompts import encode_chat, probe_prompts

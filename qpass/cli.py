@@ -49,7 +49,8 @@ def _recipes(argv: list[str]) -> int:
         t.add_column(col, overflow="fold")
     for r in rows:
         t.add_row(*r[:5])
-    Console().print(t)
+    # piped output: one wide table instead of rich's 80-column default
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
     return 0
 
 
