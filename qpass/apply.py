@@ -36,7 +36,7 @@ from .artifacts import (
     save_rollout,
     write_json,
 )
-from .errors import QpassError
+from .errors import QpassError, RecipeError
 from .graph.qgraph import QGraph
 from .recipe import LogprobGapCheck, Recipe, load_recipe
 
@@ -374,23 +374,32 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     if path.is_dir() and not (path / "report.json").is_file():
         raise QpassError(f"{path} is not a `qpass apply` output directory (no report.json); "
                          "qpass check takes such a directory or a recipe")
-    if not path.exists() and (os.sep in target or target.endswith(os.sep)) and not target.endswith((".yaml", ".yml")):
+    if not path.exists() and os.sep in target and not target.endswith((".yaml", ".yml")):
         raise QpassError(f"{path} does not exist; qpass check takes a `qpass apply` output directory or a recipe")
     saved = path.is_dir()
     expected: dict[str, int] = {}
     if saved:
-        rep = json.loads((path / "report.json").read_text())
+        try:
+            rep = json.loads((path / "report.json").read_text())
+            recipe_text, probe = rep["recipe"]["text"], rep["parity"]["probe"]
+            bsz, max_len = probe["rollout_batch"], probe["max_len"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise QpassError(f"{path / 'report.json'} is not a readable qpass report ({type(exc).__name__}: {exc})") from exc
         # validate the artifacts before the (slow) model load: a missing or corrupt file is bad input
         if rep.get("artifacts", {}).get("rollout", {}).get("weights"):
             expected["rollout_tensors"] = probe_safetensors(path / "rollout" / "weights.safetensors", "rollout weights")
         if rep.get("artifacts", {}).get("learner"):
             expected["learner_tensors"] = probe_safetensors(path / "learner" / "model.safetensors", "learner state")
-        recipe = parse_recipe(rep["recipe"]["text"], str(path / "rollout" / "recipe.yaml"))
-        model = o.model if o.model != "default" else rep["model"].get("ref", "default")
-        probe = rep["parity"]["probe"]
-        bsz, max_len = probe["rollout_batch"], probe["max_len"]
+        recipe = parse_recipe(recipe_text, str(path / "rollout" / "recipe.yaml"))
+        model = o.model if o.model != "default" else rep.get("model", {}).get("ref", "default")
     else:
-        recipe, model, bsz, max_len = load_recipe(target), o.model, 4, 64
+        try:
+            recipe = load_recipe(target)
+        except RecipeError as exc:
+            if "not found" in str(exc):
+                raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
+            raise
+        model, bsz, max_len = o.model, 4, 64
     with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
         pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
         learner, rollout = pipe.build(recipe, debug=True)

@@ -74,10 +74,6 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so cleanup runs as for Ctrl-C."""
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qpass`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -104,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         print(f"qpass: unknown command {argv[0]!r}" + (f" (did you mean {near[0]!r}?)" if near else "") + f"; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from .errors import CaptureError, ParityError, QpassError, RecipeError
+    from .errors import CaptureError, ParityError, QpassError, RecipeError, Terminated
 
     import signal
 
     def _terminate(signum: int, _frame: object) -> None:
-        raise _Terminated(signum)
+        raise Terminated(signum)
 
     previous = None
     try:  # SIGTERM unwinds like Ctrl-C, so atomic outputs are removed (main thread only)
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     try:
         return int(cmd(argv[1:]) or 0)
-    except _Terminated:
+    except Terminated:
         print("qpass: terminated; no partial output directory was left behind", file=sys.stderr)
         return 143
     except KeyboardInterrupt:

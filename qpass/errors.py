@@ -44,3 +44,8 @@ class CaptureError(QpassError, RuntimeError):
 
 class ParityError(QpassError, AssertionError):
     """A learner/rollout parity check failed. The message names the first differing site."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the ``qpass`` CLI so cleanup runs as for Ctrl-C
+    (a ``KeyboardInterrupt``); commands that catch it report exit status 143 instead of 130."""

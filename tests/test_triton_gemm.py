@@ -135,9 +135,12 @@ def test_fp8_linear(act, wgt):
     assert rel_fro(y, ref) < 1e-5, seed
 
 
+@pytest.mark.parametrize("tiles", ["large", "small_m128_splitk"])
 @pytest.mark.parametrize("mode,selection", [("masked", "batch"), ("gathered", "token"), ("gathered", "batch")])
-def test_w4a4_rac_large_path_tiles(mode, selection):
-    """The prefill (M > 64) tile shape: BM = BN = 128, BK = 64, 8 warps, with the RAC operand.
+def test_w4a4_rac_large_path_tiles(mode, selection, tiles):
+    """GPU tile shapes with the RAC operand: ``large`` = the prefill tiling (BM = BN = 128, BK = 64,
+    8 warps); ``small_m128_splitk`` = the small-M kernel at 64 < M <= 128 (two 64-row tiles,
+    BN = 64, BK = 128, split-K 2 + the reduce kernel), the route ``launch_nvfp4_gemm`` takes there.
 
     Regression for the H200 failure of the dense RAC second segment at M = 2048 (rel err 4e-3,
     docs/results/h200/selfcheck.json): the dense operand now shares the K loop and the decoded
@@ -152,7 +155,7 @@ def test_w4a4_rac_large_path_tiles(mode, selection):
     G = kernel_lib(torch.device("cpu")).nvfp4_gemm  # the interpreter's copy of the kernel module
 
     seed = fresh_seed()
-    m, n, k = 130, 128, 144
+    m, n, k = (130, 128, 144) if tiles == "large" else (128, 72, 400)
     w = nvfp4_quantize(torch.randn(n, k) * 0.05)
     wh = nvfp4_dequantize(w, torch.bfloat16).double()
     x = activations(m, k, torch.bfloat16)
@@ -168,10 +171,17 @@ def test_w4a4_rac_large_path_tiles(mode, selection):
     sdec = w.s_dec.reshape(1).float()
     a2 = ops.comp
     gidx = ops.gather_idx if ops.gather_idx is not None else sdec
-    G._nvfp4_gemm_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 128), 1)](
+    bm, bn, bk, split, warps = (128, 128, 64, 1, 8) if tiles == "large" else (64, 64, 128, 2, 4)
+    ws = torch.full((split, m, n), float("nan")) if split > 1 else sdec
+    G._nvfp4_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         ops.x_hat, ops.x_hat.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec,
-        a2, a2.stride(0), a2.shape[1], gidx, sdec, out, out.stride(0), sdec, m, n, k, 256,
-        BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=1, SEG2=1 if ops.gather_idx is None else 2, A_F32=False,
-        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, num_warps=8,
+        a2, a2.stride(0), a2.shape[1], gidx, sdec, out, out.stride(0), ws, m, n, k, 256,
+        BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, SEG2=1 if ops.gather_idx is None else 2, A_F32=False,
+        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, num_warps=warps,
     )
+    if split > 1:
+        G._splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
+            ws, sdec, out, out.stride(0), m, n, SPLIT_K=split, HAS_BIAS=False, OUT_DTYPE=triton.language.float32,
+            BLOCK=1024, num_warps=4,
+        )
     assert rel_fro(out, ref) < 1e-5, seed

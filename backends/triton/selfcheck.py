@@ -242,7 +242,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
             wh = whb.double()
             bias = torch.randn(n, device=dev)
             errs, floors = {}, {}
-            for m, pt in ((16, False), (m_big, False), (64 // sm, True)):
+            for m, pt in ((16, False), (128 // sm, False), (m_big, False), (64 // sm, True)):
                 spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
                 x = _acts(m, k, dev)
                 y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, out_dtype=torch.float32,
@@ -251,7 +251,8 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                 ref = xh.double() @ wh.t() + bias.double()
                 errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, ref)
                 floors[f"M={m}{'/tok' if pt else ''}"] = _cublas_floor([(xh, whb)], bias, ref)
-            for m, (mode, sel) in itertools.product((16, m_big // 2), (("gathered", "batch"), ("masked", "batch"),
+            # M = 128: two 64-row tiles of the small-M kernel; with N = 1000 it also splits K (8 ways)
+            for m, (mode, sel) in itertools.product((16, 128 // sm, m_big // 2), (("gathered", "batch"), ("masked", "batch"),
                                                                   ("gathered", "token"), ("masked", "static"))):
                 cfg = RACConfig(0.5, mode, sel)
                 x = _acts(m, k, dev)

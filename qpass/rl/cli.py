@@ -440,10 +440,12 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             done = [dests[n] for n in summaries]
             if done:
                 plot_runs(done, a.out / "overlay.png", title="GRPO: " + ", ".join(summaries))
-    except KeyboardInterrupt:
-        print("qpass grpo: interrupted; no partial run directory left behind"
+    except KeyboardInterrupt as exc:
+        from ..errors import Terminated
+
+        print(f"qpass grpo: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; no partial run directory left behind"
               + (" (see *.partial)" if a.keep_partial else ""), file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
     except CliError as exc:
         print(f"qpass grpo: error: {exc}", file=sys.stderr)
         return 2
