@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic import write_atomic
 from .errors import QpassError
 from .graph.capture import site_of
 from .graph.qgraph import QGraph
@@ -86,10 +87,7 @@ def _umask_permissions(root: Path) -> None:
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON via a temp file + rename (never a half-written file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
 
 
 def _json_default(o: Any) -> Any:

@@ -31,13 +31,14 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from .atomic import write_atomic
 
 L2_BYTES = 60 * 2**20  # H200
 SMOKE = {"on": False}  # --smoke: run the full-benchmark code path on CPU at toy sizes (no timings)
@@ -92,18 +93,6 @@ class Results:
     def to_json(self) -> dict:
         return {"meta": self.meta, "targets": self.targets, "rows": [dataclasses.asdict(r) for r in self.rows],
                 "errors": self.errors}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _fmt(v, spec=".2f") -> str:
@@ -516,8 +505,8 @@ def _save(res: Results, args) -> None:
     """Write the JSON (and markdown) of the results so far (atomic; a killed run keeps them)."""
     if getattr(args, "out", None):
         out = _out_path(args.out)
-        _atomic_write(out, json.dumps(res.to_json(), indent=1, default=str))
-        _atomic_write(out.with_suffix(".md"), to_markdown(res))
+        write_atomic(out, json.dumps(res.to_json(), indent=1, default=str))
+        write_atomic(out.with_suffix(".md"), to_markdown(res))
 
 
 def _out_path(out: str) -> Path:
@@ -703,8 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     md = to_markdown(res)
     if args.out:
         out = _out_path(args.out)
-        _atomic_write(out, json.dumps(res.to_json(), indent=1, default=str))
-        _atomic_write(out.with_suffix(".md"), md)
+        write_atomic(out, json.dumps(res.to_json(), indent=1, default=str))
+        write_atomic(out.with_suffix(".md"), md)
     print(md)
     return 1 if res.errors else 0
 

@@ -88,12 +88,7 @@ _FALLBACK_WARNED: set[str] = set()
 
 
 def _dispatch(op: str, device: torch.device) -> Callable[..., torch.Tensor]:
-    backend = _BACKEND.get()
-    if backend != "reference" and device.type != "cuda" and backend == "triton":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            backend = "reference"  # Triton kernels need a GPU or the interpreter
+    backend = effective_backend(_BACKEND.get(), device)  # Triton kernels need a GPU or the interpreter
     fn = _KERNELS.get((op, backend))
     if fn is None and backend != "reference" and (op, "reference") in _KERNELS:
         if op not in _FALLBACK_WARNED:

@@ -14,18 +14,9 @@ OUT="${OUT:-$REPO/gpu_out}"
 mkdir -p "$OUT"
 START=$(date +%s)
 
-# --- qpass importable without installing: /tmp/qp/qpass = qpass/ + backends/ passes/ recipes/
-# (pyproject maps those three top-level folders to qpass.backends / qpass.passes / qpass.recipes)
-rm -rf /tmp/qp && mkdir -p /tmp/qp
-cp -r "$REPO/qpass" /tmp/qp/qpass
-for sub in backends passes recipes; do
-  rm -rf "/tmp/qp/qpass/$sub"
-  cp -r "$REPO/$sub" "/tmp/qp/qpass/$sub"
-done
-find /tmp/qp -name __pycache__ -prune -exec rm -rf {} +
-export PYTHONPATH=/tmp/qp${PYTHONPATH:+:$PYTHONPATH}  # keeps e.g. /tmp/site from scripts/gpu_setup.sh
-export PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=/tmp/qp_triton_cache
+# --- qpass importable without installing (the same shim as every other GPU script)
+# shellcheck disable=SC1091
+source "$REPO/scripts/gpu_setup.sh"
 unset TRITON_INTERPRET
 
 {

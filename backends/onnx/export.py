@@ -23,7 +23,6 @@ cost and runs in onnxruntime for the portable flavour.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import onnx
 import torch
 from onnx import TensorProto
 
+from qpass.atomic import write_atomic
 from qpass.errors import QpassError
 from qpass.formats.spec import FP8Spec, Granularity
 from qpass.quant.fp8 import FP8Tensor
@@ -297,16 +297,6 @@ def export_rollout_onnx(
     if check:
         onnx.checker.check_model(model, full_check=True)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = model.SerializeToString()  # raises ValueError above the 2 GiB protobuf limit
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, data)
     return ExportReport(path, flavour, model.opset_import[0].version, tuple(s.site for s in recs), len(data))

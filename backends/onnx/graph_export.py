@@ -20,7 +20,6 @@ Needs ``onnxscript`` (the dynamo exporter's translation library).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import onnx
 import torch
 from onnx import helper
 
+from qpass.atomic import write_atomic
 from qpass.errors import QpassError
 
 from . import emit
@@ -156,18 +156,8 @@ def export_rollout_graph_onnx(rollout: Any, path: str | Path, *, flavour: str = 
     if check:
         onnx.checker.check_model(model, full_check=flavour == "spec")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = model.SerializeToString()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, data)
     opset = next(o.version for o in model.opset_import if o.domain == "")
     sites = tuple(sorted(s.site for s in sites_from_qgraph(rollout)))
     return ExportReport(path, flavour, opset, sites, len(data))

@@ -50,11 +50,11 @@ class Report:
             return
         from pathlib import Path
 
-        from ...bench import _atomic_write
+        from ...atomic import write_atomic
 
         out = {**self.meta, "ok": self.ok, "complete": final, "wall_s": round(time.monotonic() - self.t0, 1),
                "checks": self.items}
-        _atomic_write(Path(self.path), json.dumps(out, indent=1))
+        write_atomic(Path(self.path), json.dumps(out, indent=1))
 
     def run(self, name: str, fn: Callable[[], tuple[bool, str]]) -> None:
         t = time.monotonic()

@@ -34,7 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,44 +46,28 @@ __all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_mai
 # --------------------------------------------------------------------------- argument types
 
 
-def _pos_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}") from exc
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def _bounded(cast: type, lo: int, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: ``cast(s)`` (int, or a finite float) that is ``> lo`` (strict) or ``>= lo``."""
+    op = ">" if strict else ">="
+    kind = "an integer" if cast is int else "a number"
+
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected {kind} {op} {lo}, got {s!r}") from exc
+        if not ((v > lo if strict else v >= lo) and (cast is int or math.isfinite(v))):
+            got = v if cast is int else repr(s)
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a finite number'} {op} {lo}, got {got}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from exc
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _pos_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s!r}") from exc
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s!r}")
-    return v
-
-
-def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from exc
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s!r}")
-    return v
+_pos_int = _bounded(int, 1, strict=False)
+_nonneg_int = _bounded(int, 0, strict=False)
+_pos_float = _bounded(float, 0, strict=True)
+_nonneg_float = _bounded(float, 0, strict=False)
 
 
 def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:

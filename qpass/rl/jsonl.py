@@ -14,10 +14,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from ..atomic import write_atomic as write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -98,25 +99,6 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}:{i + 1}: not valid JSON: {exc}") from exc
     return rows
-
-
-def write_text_atomic(path: str | Path, text: str | bytes) -> None:
-    """Write ``path`` via a temporary file in the same directory and ``os.replace``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
