@@ -9,14 +9,14 @@ mean training reward and the held-out accuracy.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from .jsonl import read_jsonl
 
 __all__ = ["DEFAULT_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
@@ -161,17 +161,10 @@ def plot_runs(
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix or ".png")
-    os.fchmod(fd, 0o644)  # mkstemp creates 0600
-    os.close(fd)
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        fig.savefig(buf, dpi=110, format=out.suffix.lstrip(".") or "png")
     finally:
         plt.close(fig)
+    write_atomic(out, buf.getvalue())
     return out
