@@ -405,6 +405,19 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
             lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT, rac=rac), w4_b + x_b, True,
             w4_b + x_b + out_b),
+        # the same kernels with the whole K sum in the tensor-core accumulator (accumulation="mma"):
+        # the cost of the default two-level accumulation, measured in the same run
+        "w4a16 triton [mma accum]": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
+                                     lambda x, c, s, d: w4a16_linear_triton(x, c, s, d, accumulation="mma"),
+                                     w4_b + x_b, True, w4_b + x_b + out_b),
+        "w4a4 triton [mma accum]": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
+                                    lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT,
+                                                                          accumulation="mma"),
+                                    w4_b + x_b, True, w4_b + x_b + out_b),
+        "w4a4+RAC50 gathered/batch triton [mma accum]": (
+            lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
+            lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT, rac=rac, accumulation="mma"),
+            w4_b + x_b, True, w4_b + x_b + out_b),
         "fp8 block W8A8 (act quant + GEMM)": (
             lambda i: (inp.x.clone() if i else inp.x, w8b.data.clone() if i else w8b.data, w8b.scale),
             lambda x, wd, ws: fp8_linear_triton(x, wd, ws, None, act_spec=FP8_ACT_BLOCK, w_spec=w8b.spec),
@@ -484,6 +497,15 @@ def _targets(res: Results) -> None:
             tg.append({"name": f"{kern} prefill M>=4096, 8B shapes, vs BF16", "goal": ">= 0.8x",
                        "measured": f"min {min(vals):.2f}x, geomean {geo(vals):.2f}x over {len(vals)}",
                        "met": min(vals) >= 0.8})
+    for kern in ("w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton"):
+        for sec, label in (("decode (Llama-8B shapes)", "decode M=16"), ("prefill (Llama-8B shapes)", "prefill")):
+            pairs = [(r.time_us, o.time_us) for r in res.rows if r.section == sec and r.name == kern and r.time_us
+                     for o in [res.find(sec, f"{kern} [mma accum]", r.m, r.n, r.k)] if o is not None and o.time_us]
+            if pairs:
+                tg.append({"name": f"{kern} {label}: time of two-level accumulation / mma accumulation",
+                           "goal": "(cost of the accuracy fix; no target)",
+                           "measured": f"geomean {geo([a / b for a, b in pairs]):.2f}x over {len(pairs)} shapes "
+                                       f"(max {max(a / b for a, b in pairs):.2f}x)", "met": None})
 
 
 def _autotune_report() -> dict:
@@ -496,8 +518,10 @@ def _autotune_report() -> dict:
                        (lib.rac, ("_masked_tuned",)), (lib.fp8, ("_fp8_gemm_tuned",))):
         for nm in names:
             tuner = getattr(mod, nm, None)
-            if tuner is not None and getattr(tuner, "cache", None):
-                out[nm] = {str(k): str(v) for k, v in tuner.cache.items()}
+            tuners = tuner.items() if isinstance(tuner, dict) else [(None, tuner)]
+            for sub, t in tuners:
+                if t is not None and getattr(t, "cache", None):
+                    out[nm if sub is None else f"{nm}[{sub}]"] = {str(k): str(v) for k, v in t.cache.items()}
     return out
 
 
@@ -557,13 +581,15 @@ def run_full(args) -> Results:
     pre = "prefill (Llama-8B shapes)"
     step("act quant", bench_act_quant, res, cal, budget, *act_mk)
     n0, k0 = llama[0]
+    mma = ("w4a16 triton [mma accum]", "w4a4 triton [mma accum]")
     for m in dec_m:
         for n, k in llama:
-            extra = ("w4a4+RAC50 gathered/batch triton",) if m == dec_m[-1] else ()
+            extra = ("w4a4+RAC50 gathered/batch triton",) + mma if m == dec_m[-1] else ()
             extra += ("torch chain w4a4 (qpass.quant.linear)",) if (m, n, k) == (dec_m[-1], n0, k0) else ()
             step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k, base + extra)
     for n, k in llama:
-        extra = ("w4a4+RAC50 gathered/batch triton", "fp8 block W8A8 (act quant + GEMM)") if (n, k) == (n0, k0) else ()
+        extra = mma + ("w4a4+RAC50 gathered/batch triton", "w4a4+RAC50 gathered/batch triton [mma accum]")
+        extra += ("fp8 block W8A8 (act quant + GEMM)",) if (n, k) == (n0, k0) else ()
         step(f"prefill M={pre_m} N={n} K={k}", bench_gemm_point, res, cal, budget, pre, pre_m, n, k, base + extra)
     if not SMOKE["on"]:
         for m in (8, 32, 64, 128):

@@ -49,12 +49,13 @@ def _weight_parts(w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.
     return w_codes.contiguous(), sc.contiguous(), sdec.contiguous()
 
 
-def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None):
+def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None, accumulation=None):
     m = a.shape[0]
     out = torch.empty(m, w_codes.shape[0], dtype=out_dtype, device=a.device)
     b = None if bias is None else bias.contiguous()
     kernel_lib(a.device).nvfp4_gemm.launch_nvfp4_gemm(
-        a, w_codes, w_scales, sdec, out, bias=b, a2=a2, gidx=gidx, num_sms=_num_sms(a.device), decode=decode
+        a, w_codes, w_scales, sdec, out, bias=b, a2=a2, gidx=gidx, num_sms=_num_sms(a.device), decode=decode,
+        accumulation=accumulation,
     )
     return out
 
@@ -62,7 +63,7 @@ def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, de
 def w4a16_linear_triton(
     x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
     bias: torch.Tensor | None = None, *, site: str | None = None, out_dtype: torch.dtype | None = None,
-    decode: str | None = None,
+    decode: str | None = None, accumulation: str | None = None,
 ) -> torch.Tensor:
     """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``out_dtype or x.dtype``.
 
@@ -74,12 +75,15 @@ def w4a16_linear_triton(
         out_dtype: output dtype (default ``x.dtype``; float32 exposes the float32 accumulator).
         decode: in-register weight decode, ``"ref"`` (float arithmetic) or ``"lut"`` (per-block
             table + byte permutes; GPU only, same bits); default ``QPASS_NVFP4_DECODE`` or ``"ref"``.
+        accumulation: ``"two_level"`` (each K tile summed on the tensor cores, then added to the
+            float32 accumulator with IEEE round-to-nearest) or ``"mma"`` (the whole K sum in the
+            tensor-core accumulator); default ``QPASS_GEMM_ACCUMULATION`` or ``"two_level"``.
     Source: ``qpass.quant.linear.w4a16_linear_reference``.
     """
     k = x.shape[-1]
     codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
     x2 = as_rows(x)
-    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode)
+    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode, accumulation=accumulation)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -103,7 +107,7 @@ def w4a4_linear_triton(
     x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
     bias: torch.Tensor | None = None, *, act_spec: NVFP4Spec, rac: RACConfig | None = None,
     static_channels: torch.Tensor | None = None, site: str | None = None, out_dtype: torch.dtype | None = None,
-    decode: str | None = None,
+    decode: str | None = None, accumulation: str | None = None,
 ) -> torch.Tensor:
     """W4A4 linear with dynamic NVFP4 activation quantization and optional RAC.
 
@@ -114,7 +118,7 @@ def w4a4_linear_triton(
         rac: residual compensation options (None or 0 channels: plain W4A4).
         static_channels: calibrated channels for ``rac.selection == 'static'``.
         out_dtype: output dtype (default ``x.dtype``).
-        decode: weight decode variant, as :func:`w4a16_linear_triton`.
+        decode, accumulation: as :func:`w4a16_linear_triton`.
     Returns:
         ``[..., N]`` in ``out_dtype or x.dtype``.
     Source: ``qpass.quant.linear.w4a4_linear_reference``.
@@ -124,11 +128,12 @@ def w4a4_linear_triton(
     check_shape(x, "nvfp4_quantize", BLOCK, "activation", site)
     x2 = as_rows(x)
     if rac is None or rac_num_channels(k, rac.ratio) == 0:  # the reference's plain-W4A4 rule
-        y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode)
+        y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode,
+                  accumulation=accumulation)
     else:
         ops = rac_run(x2, rac, act_spec, static_channels=static_channels, site=site, outputs="gemm")
         y = _gemm(ops.x_hat, codes, scales, sdec, bias, out_dtype or x.dtype, a2=ops.comp, gidx=ops.gather_idx,
-                  decode=decode)
+                  decode=decode, accumulation=accumulation)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 

@@ -224,24 +224,29 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
         w = nvfp4_quantize((torch.randn(n_big, n_big, device=dev) * 0.02).to(torch.bfloat16))
         whb = nvfp4_dequantize(w, torch.bfloat16)
         wh = whb.double()
-        errs, floors = {}, {}
+        errs, mma, floors = {}, {}, {}
         for m in (1, 16, 128, m_big):
             x = _acts(m, n_big, dev)
             y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32)
             errs[m] = _rel(y, x.double() @ wh.t())
+            y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, accumulation="mma")
+            mma[m] = _rel(y, x.double() @ wh.t())
             floors[m] = _cublas_floor([(x, whb)], 0.0, x.double() @ wh.t())
-        fl = "" if floors[1] is None else f"; cuBLAS on the same bf16 terms: {floors}"
-        return max(errs.values()) < 1e-5, f"rel err by M: {errs}{fl}"
+        fmt = lambda d: "{" + ", ".join(f"{a}: {b:.1e}" for a, b in d.items()) + "}"  # noqa: E731
+        fl = "" if floors[1] is None else f"; cuBLAS on the same bf16 terms: {fmt(floors)}"
+        return max(errs.values()) < 1e-5, f"rel err by M: {fmt(errs)}; with accumulation='mma': {fmt(mma)}{fl}"
 
     rep.run(f"W4A16 bf16 GEMM N=K={n_big} vs fp64", gemm_w4a16)
 
-    def gemm_w4a4(n, k, decode=None):
+    def gemm_w4a4(n, k, decode=None, compare_mma=False):
+        """Gated on the default (two-level) accumulation; ``compare_mma`` also reports the error of
+        ``accumulation='mma'`` (whole K sum in the tensor-core accumulator) on the same inputs."""
         def f():
             w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
             whb = nvfp4_dequantize(w, torch.bfloat16)
             wh = whb.double()
             bias = torch.randn(n, device=dev)
-            errs, floors = {}, {}
+            errs, floors, mma = {}, {}, {}
             for m, pt in ((16, False), (128 // sm, False), (m_big, False), (64 // sm, True)):
                 spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
                 x = _acts(m, k, dev)
@@ -250,6 +255,10 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                 xh = nvfp4_dequantize(nvfp4_quantize(x, spec=spec), torch.bfloat16)
                 ref = xh.double() @ wh.t() + bias.double()
                 errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, ref)
+                if compare_mma:
+                    y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, out_dtype=torch.float32,
+                                           decode=decode, accumulation="mma")
+                    mma[f"M={m}{'/tok' if pt else ''}"] = _rel(y, ref)
                 floors[f"M={m}{'/tok' if pt else ''}"] = _cublas_floor([(xh, whb)], bias, ref)
             # M = 128: two 64-row tiles of the small-M kernel; with N = 1000 it also splits K (8 ways)
             for m, (mode, sel) in itertools.product((16, 128 // sm, m_big // 2), (("gathered", "batch"), ("masked", "batch"),
@@ -270,17 +279,23 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                     comp = scatter_gathered(r.comp, r.gather_index, k).double()
                 ref = r.x_hat.double() @ wh.t() + comp @ wh.t() + bias.double()
                 errs[f"M={m} rac {mode}/{sel}"] = _rel(y, ref)
+                if compare_mma:
+                    y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=NVFP4_ACT, rac=cfg,
+                                           static_channels=st, out_dtype=torch.float32, decode=decode,
+                                           accumulation="mma")
+                    mma[f"M={m} rac {mode}/{sel}"] = _rel(y, ref)
                 # comp holds bf16 values (zeros off the selected channels): exact as a bf16 operand
                 floors[f"M={m} rac {mode}/{sel}"] = _cublas_floor([(r.x_hat, whb), (comp.to(torch.bfloat16), whb)],
                                                                   bias, ref)
             worst = max(errs.values())
             fl = "" if floors["M=16"] is None else "; cuBLAS on the same bf16 terms: " + ", ".join(
                 f"{a}: {b:.1e}" for a, b in floors.items())
+            fm = "" if not mma else "; with accumulation='mma': " + ", ".join(f"{a}: {b:.1e}" for a, b in mma.items())
             return worst < 1e-5, (f"max rel err {worst:.2e}; " + ", ".join(f"{a}: {b:.1e}" for a, b in errs.items())
-                                  + fl)
+                                  + fm + fl)
         return f
 
-    rep.run(f"W4A4 (+RAC) GEMM N=K={n_big} vs fp64", gemm_w4a4(n_big, n_big))
+    rep.run(f"W4A4 (+RAC) GEMM N=K={n_big} vs fp64", gemm_w4a4(n_big, n_big, compare_mma=True))
     rep.run("W4A4 (+RAC) GEMM N=1000 K=4112 (ragged tiles) vs fp64", gemm_w4a4(1000 // sm, 272 if tiny else 4112))
     rep.run("W4A4 (+RAC) GEMM N=1000 K=4112, 'lut' weight decode, vs fp64",
             gemm_w4a4(1000 // sm, 272 if tiny else 4112, decode="lut"))

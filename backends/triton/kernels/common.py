@@ -106,6 +106,22 @@ def dot_acc(a, b, acc):
 
 
 @triton.jit
+def add_rn(a, b):
+    """float32 ``a + b`` (round to nearest) as a separate add.
+
+    Promotes a tensor-core partial sum into the outer float32 accumulator. On the GPU it is an
+    inline ``add.rn.f32``: Triton's combiner rewrites a plain ``acc + dot(a, b, 0)`` into
+    ``dot(a, b, acc)``, which would put the sum back inside the tensor core (checked in the sm_90
+    SASS by ``qpass.backends.triton.aot``).
+    """
+    if INTERP:
+        return a + b
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def e4m3_round_mag(a):
     """Port of ``qpass.formats.e4m3.e4m3_round_magnitude``: float32 ``a >= 0`` -> nearest E4M3 value.
 

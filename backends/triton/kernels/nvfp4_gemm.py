@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import INTERP, dot_acc, e2m1_value, e4m3_value, to_bf16, to_out, ub
+from .common import INTERP, add_rn, dot_acc, e2m1_value, e4m3_value, to_bf16, to_out, ub
 
 @triton.jit
 def _decode_w_tile(codes3, s3, sdec, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -134,7 +134,8 @@ def _decode_w_tile_lut(words, s2, sdec, A_F32: tl.constexpr, BN: tl.constexpr, B
 
 @triton.jit
 def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr, TWO: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr, TWO: tl.constexpr,
+                PROMOTE: tl.constexpr):
     """One K tile: load activation/code/scale tiles at ``k0``, decode the weight once, accumulate.
 
     ``c_base`` addresses code bytes ``[BN, BK/16, 8]`` or, with ``LUT``, int32 code words
@@ -162,9 +163,15 @@ def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec,
         w = _decode_w_tile_lut(codes3, s2, sdec, A_F32, BN, BK)
     else:
         w = _decode_w_tile(codes3, tl.expand_dims(s2, 2), sdec, A_F32, BN, BK)
-    acc = dot_acc(w, tl.trans(a), acc)
-    if TWO:
-        acc = dot_acc(w, tl.trans(a2), acc)
+    if PROMOTE:
+        part = dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32))
+        if TWO:
+            part = dot_acc(w, tl.trans(a2), part)
+        acc = add_rn(acc, part)
+    else:
+        acc = dot_acc(w, tl.trans(a), acc)
+        if TWO:
+            acc = dot_acc(w, tl.trans(a2), acc)
     return acc
 
 
@@ -172,7 +179,7 @@ def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec,
 def _dense_segment(
     acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
     ncols64, nmask, pid_k, SPLIT_K: tl.constexpr, A_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr,
+    BK: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """``acc += W_hat[ncols, :] @ A[rows, :]^T`` (``+ W_hat[ncols, :] @ A2[rows, :]^T`` with ``TWO``)
     over this split's K tiles (tile t goes to split t % SPLIT_K).
@@ -198,11 +205,11 @@ def _dense_segment(
     k_full = (K // BK) * BK
     for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K, num_stages=STAGES):
         acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK,
-                          False, LUT, TWO)
+                          False, LUT, TWO, PROMOTE)
     if k_full < K:
         if (k_full // BK) % SPLIT_K == pid_k:
             acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k_full, K, rmask, nmask, sdec, ka, kb, A_F32, BN,
-                              BK, True, LUT, TWO)
+                              BK, True, LUT, TWO, PROMOTE)
     return acc
 
 
@@ -210,6 +217,7 @@ def _dense_segment(
 def _gathered_segment(
     acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
     ncols64, nmask, k_lo, k_step, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     ka = tl.arange(0, BK)
     rows64 = rows.to(tl.int64)
@@ -223,7 +231,10 @@ def _gathered_segment(
         code = (byte >> ((cc & 1) * 4)[None, :]) & 15
         s = e4m3_value(tl.load(w_scales_ptr + ncols64[:, None] * stride_sn + (cc >> 4)[None, :], mask=valid, other=0).to(tl.int32))
         w = to_bf16((e2m1_value(code) * s) * sdec)
-        acc = dot_acc(w, tl.trans(a), acc)
+        if PROMOTE:
+            acc = add_rn(acc, dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32)))
+        else:
+            acc = dot_acc(w, tl.trans(a), acc)
     return acc
 
 
@@ -236,6 +247,7 @@ def _nvfp4_gemm_kernel(
     M, N, K, M_BUCKET,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
     SEG2: tl.constexpr, A_F32: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -249,12 +261,12 @@ def _nvfp4_gemm_kernel(
     acc = tl.full((BN, BM), 0.0, tl.float32)
     acc = _dense_segment(acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn,
                          w_scales_ptr, stride_sn, sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE,
-                         SEG2 == 1)
+                         SEG2 == 1, PROMOTE)
     if SEG2 == 2:
         # per-element weight gathers are register-hungry: narrower K tiles than the dense loop
         GBK: tl.constexpr = 64 if BN * BM <= 64 * 64 else 32
         acc = _gathered_segment(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr,
-                                stride_sn, sdec, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES)
+                                stride_sn, sdec, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES, PROMOTE)
     omask = nmask[:, None] & rmask[None, :]
     rows64 = rows.to(tl.int64)
     if SPLIT_K == 1:
@@ -281,13 +293,20 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT_K: t
     tl.store(out_ptr + (offs // N) * stride_om + n, to_out(acc, OUT_DTYPE), mask=mask)
 
 
-def _configs(small: bool):
+def _configs(small: bool, promote: bool = False):
+    """Autotune candidates. With two-level accumulation the 128 x 256 / 256 x 128 tiles would spill
+    (two float32 tiles of 128 registers per thread each; ``python -m qpass.backends.triton.aot``), so
+    that variant tunes over the 128 x 128 and 128 x 64 tiles instead."""
     cfgs = []
     if small:
         for bk, nw, ns in ((128, 4, 4), (256, 4, 3)):
             cfgs.append(triton.Config({"BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
     else:
-        for bn, bm, bk, nw, ns in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)):
+        if promote:
+            tiles = ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+        else:
+            tiles = ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))
+        for bn, bm, bk, nw, ns in tiles:
             cfgs.append(triton.Config({"BN": bn, "BM": bm, "BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
     return cfgs
 
@@ -297,10 +316,11 @@ def _bench(fn, quantiles):
 
 
 if not INTERP:
-    _gemm_small = triton.autotune(configs=_configs(True), key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM", "DECODE"],
+    _gemm_small = triton.autotune(configs=_configs(True),
+                                  key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM", "DECODE", "PROMOTE"],
                                   do_bench=_bench)(_nvfp4_gemm_kernel)
-    _gemm_large = triton.autotune(configs=_configs(False), key=["M_BUCKET", "N", "K", "K2", "SEG2", "DECODE"],
-                                  do_bench=_bench)(_nvfp4_gemm_kernel)
+    _gemm_large = {p: triton.autotune(configs=_configs(False, p), key=["M_BUCKET", "N", "K", "K2", "SEG2", "DECODE"],
+                                      do_bench=_bench)(_nvfp4_gemm_kernel) for p in (False, True)}
 
 
 def _out_tl_dtype(torch_dtype):
@@ -314,6 +334,7 @@ def _pow2_floor(v: int) -> int:
 
 
 DECODES = {"ref": 0, "lut": 1}
+ACCUMULATIONS = {"two_level": True, "mma": False}
 
 
 def default_decode() -> str:
@@ -326,7 +347,26 @@ def default_decode() -> str:
     return name
 
 
-def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, gidx=None, num_sms=132, decode=None):
+def default_accumulation() -> str:
+    """GEMM accumulation: ``QPASS_GEMM_ACCUMULATION`` = ``two_level`` (default) or ``mma``.
+
+    ``mma`` keeps the whole K sum in the tensor core's accumulator (``tl.dot(a, b, acc)``), whose
+    additions on sm_90 are not IEEE round-to-nearest: the error grows linearly with K (relative
+    Frobenius error 1.1e-5 - 2.4e-5 at K = 8192 for ours and cuBLAS alike, BENCHMARKS.md).
+    ``two_level`` sums each K tile (64-256 products) in the tensor core from zero and adds that
+    partial into the float32 accumulator with an IEEE ``add.rn`` (DeepSeek-V3's "promotion to CUDA
+    cores", here every K tile), bounding the biased in-MMA error to one tile.
+    """
+    import os
+
+    name = os.environ.get("QPASS_GEMM_ACCUMULATION", "two_level")
+    if name not in ACCUMULATIONS:
+        raise ValueError(f"QPASS_GEMM_ACCUMULATION must be one of {sorted(ACCUMULATIONS)}, got {name!r}")
+    return name
+
+
+def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, gidx=None, num_sms=132, decode=None,
+                      accumulation=None):
     """``out [M, N] = a [M, K] @ W_hat^T (+ second segment) (+ bias)``.
 
     Args:
@@ -336,6 +376,8 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         bias: optional ``[N]``.
         a2: optional second-segment operand, bf16 ``[M, K]`` (dense) or ``[M, K']`` with ``gidx``.
         gidx: int32 ``[K']`` weight channel per ``a2`` column (-1 = padding) for the gathered segment.
+        decode: ``"ref"`` / ``"lut"`` (see :func:`default_decode`).
+        accumulation: ``"two_level"`` / ``"mma"`` (see :func:`default_accumulation`).
     """
     import torch
 
@@ -352,7 +394,8 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
     dec = DECODES[decode or default_decode()]
     if w_codes.stride(0) % 8 or w_codes.data_ptr() % 4:  # the table decode reads aligned int32 words
         dec = 0
-    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec,
+    promote = ACCUMULATIONS[accumulation or default_accumulation()]
+    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec, PROMOTE=promote,
                   enable_fp_fusion=False)
     args = [a, a.stride(0), w_codes, w_codes.stride(0), w_scales, w_scales.stride(0), w_sdec, a2 if a2 is not None else dummy,
             a2.stride(0) if a2 is not None else 0, k2, gidx if gidx is not None else dummy,
@@ -379,7 +422,7 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         split = 1
         ws = dummy
         grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(m, meta["BM"]), 1)  # noqa: E731
-        _gemm_large[grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, **common)
+        _gemm_large[promote][grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, **common)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
