@@ -24,12 +24,15 @@ WANTED = (
     "residual_masked[mask2d=False,bm=16,bk=128,ri=4,w=4]",
     "gemm_decode_bk128[seg2=2]",
     "gemm_prefill[seg2=1]",
+    "gemm_prefill[seg2=0]",
+    "gemm_prefill_every_tile[seg2=0]",
+    "gemm_prefill_mma[seg2=0]",
 )
 
 
 def test_compile_for_sm90():
     lib = kernel_lib(torch.device("cuda"))  # the compiled-mode copy; importing it needs no GPU
-    seen = {}
+    seen, fadds, ptx = {}, {}, {}
     for name, fn, sig, consts, nw, ns in aot.variants(lib):
         if name in WANTED:
             ck = aot.compile_variant(fn, sig, consts, nw, ns)
@@ -38,4 +41,16 @@ def test_compile_for_sm90():
             assert "LOCAL=0" in usage, (name, usage)
             if name.startswith("gemm"):
                 assert "HGMMA" in sass, (name, usage)  # wgmma, not the mma.sync fallback
+            fadds[name] = sass.count("FADD")
+            ptx[name] = ck.asm["ptx"]
     assert set(seen) == set(WANTED), seen
+    # two-level accumulation keeps its own float32 add per accumulator element (a plain
+    # ``acc + dot(a, b, 0)`` would be folded back into the wgmma accumulator): 128 x 128 tile over
+    # 256 threads = at least 64 more FADDs than the mma-accumulated variant
+    for name in ("gemm_prefill[seg2=0]", "gemm_prefill_every_tile[seg2=0]"):
+        assert fadds[name] >= fadds["gemm_prefill_mma[seg2=0]"] + 64, fadds
+    # the chunked form (the large-M default) keeps the wgmma asynchronous inside a chunk, as the
+    # mma form does (up to 3 groups in flight); promoting every tile has to wait for each one
+    assert "wgmma.wait_group.sync.aligned 3" in ptx["gemm_prefill_mma[seg2=0]"]
+    assert "wgmma.wait_group.sync.aligned 3" in ptx["gemm_prefill[seg2=0]"]
+    assert "wgmma.wait_group.sync.aligned 3" not in ptx["gemm_prefill_every_tile[seg2=0]"]

@@ -135,9 +135,10 @@ def test_fp8_linear(act, wgt):
     assert rel_fro(y, ref) < 1e-5, seed
 
 
-@pytest.mark.parametrize("tiles,promote", [("large", True), ("large", False), ("small_m128_splitk", True)])
+@pytest.mark.parametrize("tiles,promote_k", [("large", 128), ("large", 1), ("large", 0), ("small_m128_splitk", 1),
+                                             ("small_m128_splitk", 256)])
 @pytest.mark.parametrize("mode,selection", [("masked", "batch"), ("gathered", "token"), ("gathered", "batch")])
-def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote):
+def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote_k):
     """GPU tile shapes with the RAC operand: ``large`` = the prefill tiling (BM = BN = 128, BK = 64,
     8 warps); ``small_m128_splitk`` = the small-M kernel at 64 < M <= 128 (two 64-row tiles,
     BN = 64, BK = 128, split-K 2 + the reduce kernel), the route ``launch_nvfp4_gemm`` takes there.
@@ -146,7 +147,9 @@ def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote):
     docs/results/h200/selfcheck.json): the dense operand now shares the K loop and the decoded
     weight tile with the main operand. The interpreter cannot reproduce a GPU miscompile; this pins
     the arithmetic of the large-tile kernel (two M tiles, a ragged K tail, the 32-wide gathered tile)
-    with both accumulations (``promote``: two-level, the default; else the whole sum in the dot).
+    with each accumulation (``promote_k``: products per promoted partial sum; 128 = chunks of two
+    64-wide tiles, the nested-loop form of the large-M default; 1 = every tile, the small-M default;
+    0 = the whole sum in the dot).
     """
     import triton
 
@@ -156,7 +159,7 @@ def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote):
     G = kernel_lib(torch.device("cpu")).nvfp4_gemm  # the interpreter's copy of the kernel module
 
     seed = fresh_seed()
-    m, n, k = (130, 128, 144) if tiles == "large" else (128, 72, 400)
+    m, n, k = (130, 128, 208) if tiles == "large" else (128, 72, 400)
     w = nvfp4_quantize(torch.randn(n, k) * 0.05)
     wh = nvfp4_dequantize(w, torch.bfloat16).double()
     x = activations(m, k, torch.bfloat16)
@@ -178,7 +181,7 @@ def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote):
         ops.x_hat, ops.x_hat.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec,
         a2, a2.stride(0), a2.shape[1], gidx, sdec, out, out.stride(0), ws, m, n, k, 256,
         BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, SEG2=1 if ops.gather_idx is None else 2, A_F32=False,
-        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, PROMOTE=promote, num_warps=warps,
+        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, PROMOTE_K=promote_k, num_warps=warps,
     )
     if split > 1:
         G._splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](

@@ -110,34 +110,37 @@ def variants(lib, full: bool = False):
     gm = lib.nvfp4_gemm._nvfp4_gemm_kernel
     tgm = {"a_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "a2_ptr": P["bf16"],
            "gidx_ptr": P["i32"], "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}
-    # (label, tile config, warps, stages, two-level accumulation)
-    gemm = [("decode", dict(BM=16, BN=64, BK=256, SPLIT_K=4, STAGES=3), 4, 3, True),
-            ("decode_bk128", dict(BM=16, BN=64, BK=128, SPLIT_K=1, STAGES=4), 4, 4, True),
-            ("mid", dict(BM=64, BN=64, BK=128, SPLIT_K=2, STAGES=4), 4, 4, True),
-            ("prefill", dict(BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=4), 8, 4, True),
-            ("prefill_mma", dict(BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=4), 8, 4, False),
-            ("prefill_256_mma", dict(BM=256, BN=128, BK=64, SPLIT_K=1, STAGES=3), 8, 3, False)]
+    g = lib.nvfp4_gemm
+    small_k, large_k = g.PROMOTE_K_SMALL, g.PROMOTE_K_LARGE
+    # (label, tile config, warps, stages, PROMOTE_K: products per promoted partial sum, 0 = mma)
+    gemm = [("decode", dict(BM=16, BN=64, BK=256, SPLIT_K=4, STAGES=3), 4, 3, small_k),
+            ("decode_bk128", dict(BM=16, BN=64, BK=128, SPLIT_K=1, STAGES=4), 4, 4, small_k),
+            ("mid", dict(BM=64, BN=64, BK=128, SPLIT_K=2, STAGES=4), 4, 4, small_k),
+            ("prefill", dict(BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=4), 8, 4, large_k),
+            ("prefill_every_tile", dict(BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=4), 8, 4, 1),
+            ("prefill_mma", dict(BM=128, BN=128, BK=64, SPLIT_K=1, STAGES=4), 8, 4, 0),
+            ("prefill_256_mma", dict(BM=256, BN=128, BK=64, SPLIT_K=1, STAGES=3), 8, 3, 0)]
     if full:
         gemm = []
         for (bm, split), promote in itertools.product(itertools.product((16, 32, 64), (1, 8)), (True, False)):
-            for cfg in lib.nvfp4_gemm._configs(True):
+            for cfg in g._configs(True):
                 kw = cfg.kwargs
                 gemm.append((f"small_bm{bm}_s{split}_bk{kw['BK']}{'' if promote else '_mma'}",
                              dict(BM=bm, BN=64, BK=kw["BK"], SPLIT_K=split, STAGES=kw["STAGES"]), cfg.num_warps,
-                             cfg.num_stages, promote))
+                             cfg.num_stages, small_k if promote else 0))
         for promote in (True, False):
-            for cfg in lib.nvfp4_gemm._configs(False, promote):
+            for cfg in g._configs(False, promote):
                 kw = cfg.kwargs
                 gemm.append((f"large_{kw['BN']}x{kw['BM']}x{kw['BK']}{'' if promote else '_mma'}", dict(kw, SPLIT_K=1),
-                             cfg.num_warps, cfg.num_stages, promote))
-    for label, cfg, nw, ns, promote in gemm:
+                             cfg.num_warps, cfg.num_stages, large_k if promote else 0))
+    for label, cfg, nw, ns, promote_k in gemm:
         for seg2, dec in ((0, 0), (1, 0), (2, 0), (0, 1), (2, 1)):
-            c = dict(cfg, SEG2=seg2, A_F32=False, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=dec, PROMOTE=promote)
+            c = dict(cfg, SEG2=seg2, A_F32=False, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=dec, PROMOTE_K=promote_k)
             yield f"gemm_{label}[seg2={seg2}{',lut' if dec else ''}]", gm, _sig(gm, tgm, c), c, nw, ns
     for adt, odt, tdt in (("f32", "f32", tl.float32), ("f16", "f16", tl.float16)):
         for dec in (0, 1):
             c = dict(BM=16, BN=64, BK=128, SPLIT_K=1, STAGES=4, SEG2=0, A_F32=True, HAS_BIAS=False, OUT_DTYPE=tdt,
-                     DECODE=dec, PROMOTE=True)
+                     DECODE=dec, PROMOTE_K=small_k)
             yield (f"gemm_{adt}_input{'[lut]' if dec else ''}", gm, _sig(gm, dict(tgm, a_ptr=P[adt], out_ptr=P[odt]), c),
                    c, 4, 4)
     red = lib.nvfp4_gemm._splitk_reduce_kernel

@@ -179,7 +179,7 @@ def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec,
 def _dense_segment(
     acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
     ncols64, nmask, pid_k, SPLIT_K: tl.constexpr, A_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr, PROMOTE: tl.constexpr,
+    BK: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr, PROMOTE_K: tl.constexpr,
 ):
     """``acc += W_hat[ncols, :] @ A[rows, :]^T`` (``+ W_hat[ncols, :] @ A2[rows, :]^T`` with ``TWO``)
     over this split's K tiles (tile t goes to split t % SPLIT_K).
@@ -187,6 +187,11 @@ def _dense_segment(
     The dense RAC operand shares the K loop and the decoded weight tile: one decode, two MMAs per
     tile. (Two back-to-back pipelined K loops, the earlier form, gave wrong sums for M > 64 on the
     H200 with Triton 3.6 while the interpreter was exact; see BENCHMARKS.md.)
+
+    Two-level accumulation (``PROMOTE_K > 0``): the tensor cores sum ``PROMOTE_K // BK`` K tiles of
+    this split (at least one) into a zeroed partial, which ``add_rn`` adds to ``acc``. Chunks of
+    several tiles are an inner loop of their own, so Triton still pipelines its loads and keeps the
+    wgmma asynchronous (``wgmma.wait_group 3``); only the chunk boundary waits.
     """
     LUT: tl.constexpr = (DECODE == 1) and (not INTERP)
     ka = tl.arange(0, BK)
@@ -203,13 +208,23 @@ def _dense_segment(
         c_base = w_codes_ptr + ncols64[:, None, None] * stride_wn + (kb[None, :, None] * 8 + kj[None, None, :])
     s_base = w_scales_ptr + ncols64[:, None] * stride_sn + kb[None, :]
     k_full = (K // BK) * BK
-    for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K, num_stages=STAGES):
-        acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK,
-                          False, LUT, TWO, PROMOTE)
+    TILES: tl.constexpr = PROMOTE_K // BK  # K tiles per promoted partial sum (<= 1: every tile)
+    if TILES > 1:
+        CH: tl.constexpr = BK * SPLIT_K * TILES
+        for kc in tl.range(ub(pid_k * BK), ub(k_full), CH, num_stages=1):
+            part = tl.full(acc.shape, 0.0, tl.float32)
+            for k0 in tl.range(ub(kc), ub(tl.minimum(kc + CH, k_full)), BK * SPLIT_K, num_stages=STAGES):
+                part = _dense_step(part, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32,
+                                   BN, BK, False, LUT, TWO, False)
+            acc = add_rn(acc, part)
+    else:
+        for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K, num_stages=STAGES):
+            acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK,
+                              False, LUT, TWO, PROMOTE_K > 0)
     if k_full < K:
         if (k_full // BK) % SPLIT_K == pid_k:
             acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k_full, K, rmask, nmask, sdec, ka, kb, A_F32, BN,
-                              BK, True, LUT, TWO, PROMOTE)
+                              BK, True, LUT, TWO, PROMOTE_K > 0)
     return acc
 
 
@@ -217,25 +232,43 @@ def _dense_segment(
 def _gathered_segment(
     acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
     ncols64, nmask, k_lo, k_step, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    PROMOTE: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
 ):
-    ka = tl.arange(0, BK)
-    rows64 = rows.to(tl.int64)
-    for k0 in tl.range(ub(k_lo), ub(K2), k_step, num_stages=STAGES):
-        kk = k0 + ka
-        a = tl.load(a2_ptr + rows64[:, None] * stride_a2m + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K2), other=0.0)
-        c = tl.load(gidx_ptr + kk, mask=kk < K2, other=-1)
-        valid = nmask[:, None] & (c >= 0)[None, :]
-        cc = tl.maximum(c, 0)
-        byte = tl.load(w_codes_ptr + ncols64[:, None] * stride_wn + (cc >> 1)[None, :], mask=valid, other=0).to(tl.int32)
-        code = (byte >> ((cc & 1) * 4)[None, :]) & 15
-        s = e4m3_value(tl.load(w_scales_ptr + ncols64[:, None] * stride_sn + (cc >> 4)[None, :], mask=valid, other=0).to(tl.int32))
-        w = to_bf16((e2m1_value(code) * s) * sdec)
-        if PROMOTE:
-            acc = add_rn(acc, dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32)))
-        else:
-            acc = dot_acc(w, tl.trans(a), acc)
+    """``acc += W_hat[ncols, idx]^T-weighted gathered columns`` over tiles ``k_lo, k_lo + k_step, ...``
+    of the ``[M, K']`` operand; two-level accumulation as in :func:`_dense_segment`."""
+    TILES: tl.constexpr = PROMOTE_K // BK
+    if TILES > 1:
+        for kc in tl.range(ub(k_lo), ub(K2), k_step * TILES, num_stages=1):
+            part = tl.full(acc.shape, 0.0, tl.float32)
+            for k0 in tl.range(ub(kc), ub(tl.minimum(kc + k_step * TILES, K2)), k_step, num_stages=STAGES):
+                part = _gathered_step(part, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn,
+                                      w_scales_ptr, stride_sn, sdec, ncols64, nmask, k0, BK, False)
+            acc = add_rn(acc, part)
+    else:
+        for k0 in tl.range(ub(k_lo), ub(K2), k_step, num_stages=STAGES):
+            acc = _gathered_step(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn,
+                                 w_scales_ptr, stride_sn, sdec, ncols64, nmask, k0, BK, PROMOTE_K > 0)
     return acc
+
+
+@triton.jit
+def _gathered_step(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
+                   sdec, ncols64, nmask, k0, BK: tl.constexpr, PROMOTE: tl.constexpr):
+    """One gathered tile: operand columns ``k0 .. k0 + BK`` times weight channels ``idx[k0 ..]``."""
+    kk = k0 + tl.arange(0, BK)
+    rows64 = rows.to(tl.int64)
+    a = tl.load(a2_ptr + rows64[:, None] * stride_a2m + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K2), other=0.0)
+    c = tl.load(gidx_ptr + kk, mask=kk < K2, other=-1)
+    valid = nmask[:, None] & (c >= 0)[None, :]
+    cc = tl.maximum(c, 0)
+    byte = tl.load(w_codes_ptr + ncols64[:, None] * stride_wn + (cc >> 1)[None, :], mask=valid, other=0).to(tl.int32)
+    code = (byte >> ((cc & 1) * 4)[None, :]) & 15
+    s = e4m3_value(tl.load(w_scales_ptr + ncols64[:, None] * stride_sn + (cc >> 4)[None, :], mask=valid, other=0).to(tl.int32))
+    w = to_bf16((e2m1_value(code) * s) * sdec)
+    if PROMOTE:
+        return add_rn(acc, dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32)))
+    else:
+        return dot_acc(w, tl.trans(a), acc)
 
 
 @triton.jit
@@ -247,7 +280,7 @@ def _nvfp4_gemm_kernel(
     M, N, K, M_BUCKET,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
     SEG2: tl.constexpr, A_F32: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr,
-    PROMOTE: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -261,12 +294,12 @@ def _nvfp4_gemm_kernel(
     acc = tl.full((BN, BM), 0.0, tl.float32)
     acc = _dense_segment(acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn,
                          w_scales_ptr, stride_sn, sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE,
-                         SEG2 == 1, PROMOTE)
+                         SEG2 == 1, PROMOTE_K)
     if SEG2 == 2:
         # per-element weight gathers are register-hungry: narrower K tiles than the dense loop
         GBK: tl.constexpr = 64 if BN * BM <= 64 * 64 else 32
         acc = _gathered_segment(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr,
-                                stride_sn, sdec, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES, PROMOTE)
+                                stride_sn, sdec, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES, PROMOTE_K)
     omask = nmask[:, None] & rmask[None, :]
     rows64 = rows.to(tl.int64)
     if SPLIT_K == 1:
@@ -317,7 +350,7 @@ def _bench(fn, quantiles):
 
 if not INTERP:
     _gemm_small = triton.autotune(configs=_configs(True),
-                                  key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM", "DECODE", "PROMOTE"],
+                                  key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM", "DECODE", "PROMOTE_K"],
                                   do_bench=_bench)(_nvfp4_gemm_kernel)
     _gemm_large = {p: triton.autotune(configs=_configs(False, p), key=["M_BUCKET", "N", "K", "K2", "SEG2", "DECODE"],
                                       do_bench=_bench)(_nvfp4_gemm_kernel) for p in (False, True)}
@@ -334,7 +367,13 @@ def _pow2_floor(v: int) -> int:
 
 
 DECODES = {"ref": 0, "lut": 1}
-ACCUMULATIONS = {"two_level": True, "mma": False}
+ACCUMULATIONS = ("two_level", "mma")
+# Products per tensor-core partial sum under two-level accumulation. Small-M (decode) kernel: every
+# K tile (memory-bound; the synchronous wgmma this needs costs nothing measurable). Large-M kernel:
+# 1024 (16 tiles of 64 or 8 of 128) as a pipelined inner loop, since waiting for every tile's wgmma
+# cost 1.5-1.6x there (BENCHMARKS.md).
+PROMOTE_K_SMALL = 1
+PROMOTE_K_LARGE = 1024
 
 
 def default_decode() -> str:
@@ -366,7 +405,7 @@ def default_accumulation() -> str:
 
 
 def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, gidx=None, num_sms=132, decode=None,
-                      accumulation=None):
+                      accumulation=None, promote_k=None):
     """``out [M, N] = a [M, K] @ W_hat^T (+ second segment) (+ bias)``.
 
     Args:
@@ -378,6 +417,8 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         gidx: int32 ``[K']`` weight channel per ``a2`` column (-1 = padding) for the gathered segment.
         decode: ``"ref"`` / ``"lut"`` (see :func:`default_decode`).
         accumulation: ``"two_level"`` / ``"mma"`` (see :func:`default_accumulation`).
+        promote_k: override of the products per promoted partial sum under ``two_level``
+            (``PROMOTE_K_SMALL`` / ``PROMOTE_K_LARGE`` by kernel); for experiments and tests.
     """
     import torch
 
@@ -394,8 +435,15 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
     dec = DECODES[decode or default_decode()]
     if w_codes.stride(0) % 8 or w_codes.data_ptr() % 4:  # the table decode reads aligned int32 words
         dec = 0
-    promote = ACCUMULATIONS[accumulation or default_accumulation()]
-    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec, PROMOTE=promote,
+    accumulation = accumulation or default_accumulation()
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
+    promote = accumulation == "two_level"
+
+    def pk(default: int) -> int:
+        return 0 if not promote else (promote_k or default)
+
+    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec,
                   enable_fp_fusion=False)
     args = [a, a.stride(0), w_codes, w_codes.stride(0), w_scales, w_scales.stride(0), w_sdec, a2 if a2 is not None else dummy,
             a2.stride(0) if a2 is not None else 0, k2, gidx if gidx is not None else dummy,
@@ -405,8 +453,9 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         split = 2 if k > 2 * bk else 1
         ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+        # chunks of two 64-wide tiles: the interpreter runs the nested (large-M) two-level loop
         _nvfp4_gemm_kernel[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, num_warps=4,
-                                 **common)
+                                 PROMOTE_K=pk(2 * bk), **common)
     elif m <= 64 or (m <= 128 and 2 * triton.cdiv(n, 128) * triton.cdiv(m, 128) <= num_sms):
         # M <= 64; and M <= 128 when 128 x 128 tiles would fill at most half of the SMs: there the
         # split-K small-M kernel (two 64-row tiles) is 2-2.6x faster on the H200 (N = 4096), while at
@@ -417,12 +466,13 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         split = max(1, min(8, _pow2_floor((2 * num_sms) // tiles), _pow2_floor(max(1, k // 512))))
         ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-        _gemm_small[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, SPLIT_K=split, **common)
+        _gemm_small[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, SPLIT_K=split, PROMOTE_K=pk(PROMOTE_K_SMALL),
+                          **common)
     else:
         split = 1
         ws = dummy
         grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(m, meta["BM"]), 1)  # noqa: E731
-        _gemm_large[promote][grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, **common)
+        _gemm_large[promote][grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, PROMOTE_K=pk(PROMOTE_K_LARGE), **common)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
