@@ -54,3 +54,17 @@ def test_compile_for_sm90():
     assert "wgmma.wait_group.sync.aligned 3" in ptx["gemm_prefill_mma[seg2=0]"]
     assert "wgmma.wait_group.sync.aligned 3" in ptx["gemm_prefill[seg2=0]"]
     assert "wgmma.wait_group.sync.aligned 3" not in ptx["gemm_prefill_every_tile[seg2=0]"]
+
+
+def test_two_level_autotune_drops_spilling_tiles_for_dense_rac():
+    """BN = 64 x BM = 256 two-level tiles spill with the dense RAC operand (SEG2 = 1; AOT report:
+    255 registers + 256 B stack) and are pruned there, and only there."""
+    g = kernel_lib(torch.device("cuda")).nvfp4_gemm
+    cfgs = g._configs(False, True)
+    wide = [c for c in cfgs if (c.kwargs["BN"], c.kwargs["BM"]) == (64, 256)]
+    assert wide, "the two-level large-M configs should include BN=64 x BM=256 tiles"
+    kept = g._prune(cfgs, {}, SEG2=1, PROMOTE_K=g.PROMOTE_K_LARGE)
+    assert not [c for c in kept if (c.kwargs["BN"], c.kwargs["BM"]) == (64, 256)]
+    assert len(kept) == len(cfgs) - len(wide)
+    assert g._prune(cfgs, {}, SEG2=2, PROMOTE_K=g.PROMOTE_K_LARGE) == cfgs
+    assert g._prune(cfgs, {}, SEG2=1, PROMOTE_K=0) == cfgs

@@ -131,7 +131,8 @@ def variants(lib, full: bool = False):
         for promote in (True, False):
             for cfg in g._configs(False, promote):
                 kw = cfg.kwargs
-                gemm.append((f"large_{kw['BN']}x{kw['BM']}x{kw['BK']}{'' if promote else '_mma'}", dict(kw, SPLIT_K=1),
+                gemm.append((f"large_{kw['BN']}x{kw['BM']}x{kw['BK']}_s{kw['STAGES']}{'' if promote else '_mma'}",
+                             dict(kw, SPLIT_K=1),
                              cfg.num_warps, cfg.num_stages, large_k if promote else 0))
     for label, cfg, nw, ns, promote_k in gemm:
         for seg2, dec in ((0, 0), (1, 0), (2, 0), (0, 1), (2, 1)):

@@ -327,21 +327,34 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT_K: t
 
 
 def _configs(small: bool, promote: bool = False):
-    """Autotune candidates. With two-level accumulation the 128 x 256 / 256 x 128 tiles would spill
-    (two float32 tiles of 128 registers per thread each; ``python -m qpass.backends.triton.aot``), so
-    that variant tunes over the 128 x 128 and 128 x 64 tiles instead."""
+    """Autotune candidates (BN weight rows x BM tokens x BK).
+
+    With two-level accumulation the 128 x 256 / 256 x 128 tiles would spill (two float32 tiles of 128
+    registers per thread each; ``python -m qpass.backends.triton.aot``). Its large tiles keep
+    BM = 256 tokens per decoded weight tile (what made 128 x 256 the fastest ``mma`` tile: half the
+    decode work per FLOP of BM = 128) with BN = 64 weight rows: 237-243 registers, no spills, except
+    with the dense RAC operand, for which :func:`_prune` drops them."""
     cfgs = []
     if small:
         for bk, nw, ns in ((128, 4, 4), (256, 4, 3)):
             cfgs.append(triton.Config({"BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
     else:
         if promote:
-            tiles = ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+            tiles = ((64, 256, 64, 8, 3), (64, 256, 64, 8, 4), (64, 256, 128, 8, 3), (128, 128, 64, 8, 4),
+                     (128, 128, 128, 8, 3), (64, 128, 64, 4, 4))
         else:
             tiles = ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))
         for bn, bm, bk, nw, ns in tiles:
             cfgs.append(triton.Config({"BN": bn, "BM": bm, "BK": bk, "STAGES": ns}, num_warps=nw, num_stages=ns))
     return cfgs
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop the two-level BN = 64 x BM = 256 tiles for the dense RAC operand (SEG2 = 1): they spill."""
+    if kwargs.get("SEG2") == 1 and kwargs.get("PROMOTE_K", 0) > 0:
+        keep = [c for c in configs if not (c.kwargs.get("BM") == 256 and c.kwargs.get("BN") == 64)]
+        return keep or configs
+    return configs
 
 
 def _bench(fn, quantiles):
@@ -353,7 +366,8 @@ if not INTERP:
                                   key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM", "DECODE", "PROMOTE_K"],
                                   do_bench=_bench)(_nvfp4_gemm_kernel)
     _gemm_large = {p: triton.autotune(configs=_configs(False, p), key=["M_BUCKET", "N", "K", "K2", "SEG2", "DECODE"],
-                                      do_bench=_bench)(_nvfp4_gemm_kernel) for p in (False, True)}
+                                      prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)(_nvfp4_gemm_kernel)
+                   for p in (False, True)}
 
 
 def _out_tl_dtype(torch_dtype):
