@@ -55,6 +55,26 @@ def test_w4a16(dtype, m):
         assert _close_to_rounding(y, w4a16_linear_reference(x, w, bias)), seed
 
 
+@pytest.mark.parametrize("accumulation", ["two_level", "mma"])
+def test_w4a16_accumulation_forms(accumulation):
+    """Both accumulation forms compute the same product (to fp32 reordering) on the interpreter."""
+    seed = fresh_seed()
+    w, wh = _weight()
+    x = activations(21, K, torch.bfloat16)
+    y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, accumulation=accumulation)
+    assert rel_fro(y, x.double() @ wh.t()) < 1e-6, seed
+
+
+def test_accumulation_choice_is_validated(monkeypatch):
+    w, _ = _weight()
+    x = activations(3, K, torch.bfloat16)
+    with pytest.raises(ValueError, match="accumulation must be one of"):
+        w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, accumulation="fast")
+    monkeypatch.setenv("QPASS_GEMM_ACCUMULATION", "fp16")
+    with pytest.raises(ValueError, match="QPASS_GEMM_ACCUMULATION must be one of"):
+        w4a16_linear_triton(x, w.codes, w.scales, w.s_dec)
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 def test_w4a4_plain(per_token):
     seed = fresh_seed()
