@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import write_atomic
+from .atomic import current_umask, write_atomic
 from .errors import QpassError
 from .graph.capture import site_of
 from .graph.qgraph import QGraph
@@ -77,8 +77,7 @@ def _umask_permissions(root: Path) -> None:
     output directory is meant to be read by others as the process umask allows (0755 / 0644 at
     umask 022).
     """
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     for dirpath, _dirnames, filenames in os.walk(root):
         os.chmod(dirpath, 0o777 & ~mask)
         for name in filenames:

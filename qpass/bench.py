@@ -382,6 +382,11 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
     def clone_w4(i):
         return (w4.codes.clone(), w4.scales.clone(), w4.s_dec.clone()) if i else (w4.codes, w4.scales, w4.s_dec)
 
+    def on_w4(linear, **kw):
+        """A contender ``linear(x, codes, scales, s_dec, **kw)`` on the NVFP4 weight (rotated inputs)."""
+        return (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)), lambda x, c, s, d: linear(x, c, s, d, **kw),
+                w4_b + x_b, True, w4_b + x_b + out_b)
+
     table: dict[str, tuple[Callable, Callable, int, bool, float]] = {
         "bf16 cuBLAS": (lambda i: (inp.x.clone() if i else inp.x, inp.w_bf16.clone() if i else inp.w_bf16),
                         lambda x, w: torch.nn.functional.linear(x, w), 2 * n * k + x_b, True, 2 * n * k + x_b + out_b),
@@ -390,34 +395,17 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             lambda xd, wd, sa, sb: torch._scaled_mm(xd, wd.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                     use_fast_accum=True),
             n * k + m * k, True, n * k + m * k + out_b),
-        "w4a16 triton": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-                         lambda x, c, s, d: w4a16_linear_triton(x, c, s, d), w4_b + x_b, True, w4_b + x_b + out_b),
-        "w4a4 triton": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-                        lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT), w4_b + x_b, True,
-                        w4_b + x_b + out_b),
-        "w4a16 triton [lut decode]": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-                                      lambda x, c, s, d: w4a16_linear_triton(x, c, s, d, decode="lut"), w4_b + x_b, True,
-                                      w4_b + x_b + out_b),
-        "w4a4 triton [lut decode]": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-                                     lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT, decode="lut"),
-                                     w4_b + x_b, True, w4_b + x_b + out_b),
-        "w4a4+RAC50 gathered/batch triton": (
-            lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-            lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT, rac=rac), w4_b + x_b, True,
-            w4_b + x_b + out_b),
+        "w4a16 triton": on_w4(w4a16_linear_triton),
+        "w4a4 triton": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT),
+        "w4a16 triton [lut decode]": on_w4(w4a16_linear_triton, decode="lut"),
+        "w4a4 triton [lut decode]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, decode="lut"),
+        "w4a4+RAC50 gathered/batch triton": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, rac=rac),
         # the same kernels with the whole K sum in the tensor-core accumulator (accumulation="mma"):
         # the cost of the default two-level accumulation, measured in the same run
-        "w4a16 triton [mma accum]": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-                                     lambda x, c, s, d: w4a16_linear_triton(x, c, s, d, accumulation="mma"),
-                                     w4_b + x_b, True, w4_b + x_b + out_b),
-        "w4a4 triton [mma accum]": (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-                                    lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT,
-                                                                          accumulation="mma"),
-                                    w4_b + x_b, True, w4_b + x_b + out_b),
-        "w4a4+RAC50 gathered/batch triton [mma accum]": (
-            lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)),
-            lambda x, c, s, d: w4a4_linear_triton(x, c, s, d, act_spec=NVFP4_ACT, rac=rac, accumulation="mma"),
-            w4_b + x_b, True, w4_b + x_b + out_b),
+        "w4a16 triton [mma accum]": on_w4(w4a16_linear_triton, accumulation="mma"),
+        "w4a4 triton [mma accum]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, accumulation="mma"),
+        "w4a4+RAC50 gathered/batch triton [mma accum]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, rac=rac,
+                                                              accumulation="mma"),
         "fp8 block W8A8 (act quant + GEMM)": (
             lambda i: (inp.x.clone() if i else inp.x, w8b.data.clone() if i else w8b.data, w8b.scale),
             lambda x, wd, ws: fp8_linear_triton(x, wd, ws, None, act_spec=FP8_ACT_BLOCK, w_spec=w8b.spec),
@@ -525,12 +513,16 @@ def _autotune_report() -> dict:
     return out
 
 
-def _save(res: Results, args) -> None:
-    """Write the JSON (and markdown) of the results so far (atomic; a killed run keeps them)."""
+def _save(res: Results, args) -> str:
+    """Write the JSON (and markdown) of the results so far (atomic; a killed run keeps them).
+
+    Returns the markdown."""
+    md = to_markdown(res)
     if getattr(args, "out", None):
         out = _out_path(args.out)
         write_atomic(out, json.dumps(res.to_json(), indent=1, default=str))
-        write_atomic(out.with_suffix(".md"), to_markdown(res))
+        write_atomic(out.with_suffix(".md"), md)
+    return md
 
 
 def _out_path(out: str) -> Path:
@@ -715,12 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         print("qpass bench: no CUDA device; use --quick for the CPU correctness run", file=sys.stderr)
         return 2
     res = run_quick(args) if args.quick else run_full(args)
-    md = to_markdown(res)
-    if args.out:
-        out = _out_path(args.out)
-        write_atomic(out, json.dumps(res.to_json(), indent=1, default=str))
-        write_atomic(out.with_suffix(".md"), md)
-    print(md)
+    print(_save(res, args))
     return 1 if res.errors else 0
 
 

@@ -247,27 +247,29 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
             wh = whb.double()
             bias = torch.randn(n, device=dev)
             errs, floors, mma = {}, {}, {}
+
+            def measure(key, ref, x, **kw):
+                """Error of the default accumulation (and of ``mma`` when compared) against ``ref``."""
+                errs[key] = _rel(w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32,
+                                                    decode=decode, **kw), ref)
+                if compare_mma:
+                    mma[key] = _rel(w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32,
+                                                       decode=decode, accumulation="mma", **kw), ref)
+
             for m, pt in ((16, False), (128 // sm, False), (m_big, False), (64 // sm, True)):
                 spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
+                key = f"M={m}{'/tok' if pt else ''}"
                 x = _acts(m, k, dev)
-                y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, out_dtype=torch.float32,
-                                       decode=decode)
                 xh = nvfp4_dequantize(nvfp4_quantize(x, spec=spec), torch.bfloat16)
                 ref = xh.double() @ wh.t() + bias.double()
-                errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, ref)
-                if compare_mma:
-                    y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, out_dtype=torch.float32,
-                                           decode=decode, accumulation="mma")
-                    mma[f"M={m}{'/tok' if pt else ''}"] = _rel(y, ref)
-                floors[f"M={m}{'/tok' if pt else ''}"] = _cublas_floor([(xh, whb)], bias, ref)
+                measure(key, ref, x, act_spec=spec)
+                floors[key] = _cublas_floor([(xh, whb)], bias, ref)
             # M = 128: two 64-row tiles of the small-M kernel; with N = 1000 it also splits K (8 ways)
             for m, (mode, sel) in itertools.product((16, 128 // sm, m_big // 2), (("gathered", "batch"), ("masked", "batch"),
                                                                   ("gathered", "token"), ("masked", "static"))):
                 cfg = RACConfig(0.5, mode, sel)
                 x = _acts(m, k, dev)
                 st = torch.randperm(k, device=dev)[: k // 4] if sel == "static" else None
-                y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=NVFP4_ACT, rac=cfg,
-                                       static_channels=st, out_dtype=torch.float32, decode=decode)
                 r = rac_reference(x, cfg, NVFP4_ACT, static_channels=st)
                 if r.gather_index is None:
                     comp = r.comp.double()
@@ -278,14 +280,10 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                 else:
                     comp = scatter_gathered(r.comp, r.gather_index, k).double()
                 ref = r.x_hat.double() @ wh.t() + comp @ wh.t() + bias.double()
-                errs[f"M={m} rac {mode}/{sel}"] = _rel(y, ref)
-                if compare_mma:
-                    y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=NVFP4_ACT, rac=cfg,
-                                           static_channels=st, out_dtype=torch.float32, decode=decode,
-                                           accumulation="mma")
-                    mma[f"M={m} rac {mode}/{sel}"] = _rel(y, ref)
+                key = f"M={m} rac {mode}/{sel}"
+                measure(key, ref, x, act_spec=NVFP4_ACT, rac=cfg, static_channels=st)
                 # comp holds bf16 values (zeros off the selected channels): exact as a bf16 operand
-                floors[f"M={m} rac {mode}/{sel}"] = _cublas_floor([(r.x_hat, whb), (comp.to(torch.bfloat16), whb)],
+                floors[key] = _cublas_floor([(r.x_hat, whb), (comp.to(torch.bfloat16), whb)],
                                                                   bias, ref)
             worst = max(errs.values())
             fl = "" if floors["M=16"] is None else "; cuBLAS on the same bf16 terms: " + ", ".join(
