@@ -31,13 +31,13 @@ OUT="${OUT:-$REPO/gpu_out}"
 mkdir -p "$OUT"
 START=$(date +%s)
 
-if ! python3 -c "import qpass.rl.cli" >/dev/null 2>&1; then
+if ! python3 -c "import qpass.apps.grpo.cli" >/dev/null 2>&1; then
   if [ -f "$REPO/scripts/gpu_setup.sh" ]; then
     # shellcheck disable=SC1091
     source "$REPO/scripts/gpu_setup.sh"
   fi
 fi
-python3 -c "import qpass.rl.cli" || { echo "FAIL: qpass.rl.cli is not importable (PYTHONPATH=${PYTHONPATH:-})"; exit 2; }
+python3 -c "import qpass.apps.grpo.cli" || { echo "FAIL: qpass.apps.grpo.cli is not importable (PYTHONPATH=${PYTHONPATH:-})"; exit 2; }
 
 MODEL="${QPASS_MODEL:-default}"
 STEPS="${STEPS:-12}"
@@ -73,7 +73,7 @@ rm -rf "$OUT/grpo"
 # eval before step 1, every 4 steps and on the last step; full bit-exact parity before step 1 and
 # on the last step (the three-way sync fingerprint check runs after every step).
 # shellcheck disable=SC2086
-timeout -s INT -k 15 "$HARD_S" python3 -m qpass.rl.cli grpo \
+timeout -s INT -k 15 "$HARD_S" python3 -m qpass.apps.grpo.cli grpo \
   --recipe "$RECIPES" --model "$MODEL" --device "$DEVICE" --kernels "$KERNELS" \
   --steps "$STEPS" --seed "$SEED" --out "$OUT/grpo" --overwrite --keep-partial --no-progress \
   --prompts-per-step "$PROMPTS" --group-size "$GROUP" --max-new-tokens "$MAX_NEW" --batch-size "$BATCH" \
@@ -89,15 +89,15 @@ for r in ${RECIPES//,/ }; do
   elif [ -f "$OUT/grpo/$r.partial/metrics.jsonl" ]; then RUNS+=("$OUT/grpo/$r.partial"); fi
 done
 if [ "${#RUNS[@]}" -gt 0 ]; then
-  python3 -m qpass.rl.cli grpo-plot "${RUNS[@]}" --out "$OUT/grpo_overlay.png" \
+  python3 -m qpass.apps.grpo.cli grpo-plot "${RUNS[@]}" --out "$OUT/grpo_overlay.png" \
     --title "GRPO ($MODEL, $KERNELS kernels, seed $SEED)" 2>&1 | tee -a "$OUT/grpo.log"
-  python3 -m qpass.rl.cli grpo-plot "${RUNS[@]}" --out "$OUT/grpo_diagnostics.png" \
+  python3 -m qpass.apps.grpo.cli grpo-plot "${RUNS[@]}" --out "$OUT/grpo_diagnostics.png" \
     --metric shadow_gap/token/g_abs --metric clip/frac --metric vis/code_frac --metric entropy/token_mean \
     --metric gap/token/k3 --metric rollout/tokens_per_s 2>&1 | tee -a "$OUT/grpo.log"
   python3 - "$OUT" "${RUNS[@]}" <<'PY' 2>&1 | tee -a "$OUT/grpo.log"
 import json, math, sys
 from pathlib import Path
-from qpass.rl.jsonl import read_jsonl
+from qpass.apps.grpo.jsonl import read_jsonl
 
 out, runs = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
 def mean(xs):

@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
 # Source this on the GPU box (from the repository root) before any qpass command there.
 #
-#  * makes qpass importable without installing it: /tmp/qp/qpass = qpass/ + backends/, passes/,
-#    recipes/ as subpackages (pyproject maps those folders to qpass.backends / .passes / .recipes);
+#  * makes qpass importable without installing it: PYTHONPATH=src (the src layout holds every
+#    subpackage, so nothing is copied);
 #  * installs carried wheels (.whl/*.whl) into /tmp/site when present;
 #  * stores carried model parts (.model/smollm2.gguf.partNN) in /tmp/model and joins them when all
 #    parts have arrived (checked against .model/smollm2.gguf.sha256); exports QPASS_MODEL.
 REPO="$(pwd)"
-rm -rf /tmp/qp && mkdir -p /tmp/qp
-cp -r "$REPO/qpass" /tmp/qp/qpass
-for sub in backends passes recipes; do rm -rf "/tmp/qp/qpass/$sub"; cp -r "$REPO/$sub" "/tmp/qp/qpass/$sub"; done
-find /tmp/qp -name __pycache__ -prune -exec rm -rf {} +
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl || echo "!!! wheel install failed"
 fi
-export PYTHONPATH=/tmp/qp:/tmp/site
+export PYTHONPATH="$REPO/src":/tmp/site
 export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 TRITON_CACHE_DIR=/tmp/qp_triton_cache
-# never import the repository's own qpass/ (it lacks the backends/passes/recipes subpackages) from the cwd
+# python -m / stdin never put the cwd on sys.path
 export PYTHONSAFEPATH=1
 mkdir -p /tmp/model
 if ls "$REPO"/.model/smollm2.gguf.part* >/dev/null 2>&1; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # QUADS study (qpass study) on the H200: the full ablation set on CUDA, <= 5 min wall time.
 #
-# Run from the repository root on the GPU box. qpass is not installed there: if `qpass.study` is not
+# Run from the repository root on the GPU box. qpass is not installed there: if `qpass.apps.study` is not
 # importable, scripts/gpu_setup.sh (the import shim) is sourced. The model is $QPASS_MODEL (a .gguf
 # path; "default" if unset).
 #
@@ -26,13 +26,13 @@ mkdir -p "$OUT"
 START=$(date +%s)
 LOG="$OUT/study.log"
 
-if ! python3 -c "import qpass.study" >/dev/null 2>&1; then
+if ! python3 -c "import qpass.apps.study" >/dev/null 2>&1; then
   if [ -f "$REPO/scripts/gpu_setup.sh" ]; then
     # shellcheck disable=SC1091
     source "$REPO/scripts/gpu_setup.sh"
   fi
 fi
-python3 -c "import qpass.study" || { echo "FAIL: qpass.study is not importable (PYTHONPATH=${PYTHONPATH:-})"; exit 2; }
+python3 -c "import qpass.apps.study" || { echo "FAIL: qpass.apps.study is not importable (PYTHONPATH=${PYTHONPATH:-})"; exit 2; }
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONUNBUFFERED=1
 
 MODEL="${QPASS_MODEL:-default}"
@@ -78,7 +78,7 @@ echo "gpu_study: model=$MODEL kernels=$KERNELS prompts=$PROMPTS max_new=$MAX_NEW
      "ratios=$RATIOS budget=${BUDGET}s hard=${LEFT}s out=$OUT/study" | tee -a "$LOG"
 
 # shellcheck disable=SC2086
-timeout -s INT -k 10 "$LEFT" python3 -m qpass.study \
+timeout -s INT -k 10 "$LEFT" python3 -m qpass.apps.study \
   --model "$MODEL" --device cuda --kernels "$KERNELS" --out "$OUT/study" --force --no-progress \
   --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW" --batch-size "$BATCH" --seed "$SEED" \
   --ratios "$RATIOS" --budget-s "$BUDGET" $EXTRA 2>&1 | tee -a "$LOG"

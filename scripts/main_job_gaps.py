@@ -3,7 +3,7 @@
     python scripts/main_job_gaps.py --out out/main_job [--device cuda] [--kernels triton]
         [--recipes naive_nvfp4 w4a16_qat quads_nvfp4 bf16] [--prompts 8 --samples 2 --max-new-tokens 24]
 
-Runs ``qpass apply`` (``qpass.apply.run_apply``) for each recipe against one captured pipeline,
+Runs ``qpass apply`` (``qpass.apps.apply.run_apply``) for each recipe against one captured pipeline,
 so every recipe sees the same probe prompts, seeds and base graphs, then writes ``gaps.json`` and
 ``gaps.md`` (a table of mean/max |d|, K1, K3 per recipe, the BF16 floor, and the parity results).
 """
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
-    from qpass.apply import ApplyOptions, run_apply
-    from qpass.artifacts import write_json
+    from qpass.apps.apply import ApplyOptions, run_apply
+    from qpass.apps.artifacts import write_json
     from qpass.graph.model import load_model
     from qpass.pipeline import DTYPES, Pipeline
     from qpass.prompts import encode_chat, probe_prompts

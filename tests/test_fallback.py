@@ -6,8 +6,8 @@ import types
 
 import torch
 
-from qpass.apply import uncaptured_linears
-from qpass.backends.torch import TorchLearner, sync_weights
+from qpass.apps.apply import uncaptured_linears
+from qpass.runtime import TorchLearner, sync_weights
 from qpass.graph.model import LoadedModel
 from qpass.parity.checker import check_weights_bitexact
 from qpass.pipeline import Pipeline

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from qpass.backends.torch import RolloutBatch
+from qpass.runtime import RolloutBatch
 from qpass.diagnostics import update_visibility_groups
 from qpass.errors import ParityError
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_quantize
 from qpass.rl.experience import Experience, assemble, micro_batches, response_logprobs, step_prefill_args
-from qpass.rl.grpo import GRPOConfig, GRPOTrainer, _seed
-from qpass.rl.jsonl import append_jsonl, read_jsonl, write_json_atomic
+from qpass.apps.grpo.grpo import GRPOConfig, GRPOTrainer, _seed
+from qpass.apps.grpo.jsonl import append_jsonl, read_jsonl, write_json_atomic
 from qpass.rl.loss import Correction, LossConfig
 from qpass.rl.task import ArithmeticTask, difficulty_preset
-from qpass.rl.weights import MasterOptimizer, RolloutConstants, byte_visibility, verify_sync
+from qpass.apps.grpo.weights import MasterOptimizer, RolloutConstants, byte_visibility, verify_sync
 from qpass.sampling import sampling_logprobs
 
 
@@ -364,7 +364,7 @@ def test_tiny_epochs_minibatches_kl_and_tis(tiny_pipeline):
 
 
 def test_tiny_sync_corruption_is_caught(tiny_pipeline, tmp_path, monkeypatch):
-    import qpass.backends.torch as bt
+    import qpass.runtime as bt
 
     real = bt.sync_weights
     site = {}
@@ -399,7 +399,7 @@ def test_tiny_fp8_and_bf16_recipes_sync_checks(tiny_pipeline):
 
 
 def test_tiny_shadow_weights_modes(tiny_pipeline):
-    from qpass.rl.probes import BF16Shadow
+    from qpass.apps.grpo.probes import BF16Shadow
 
     tr = tiny_trainer(tiny_pipeline, "w4a16_qat", tiny_cfg(steps=1, eval_every=0, diag_every=0, initial_check=False))
     sh = BF16Shadow(tiny_pipeline.base_step)
@@ -449,7 +449,7 @@ def _hidden(d: Path) -> list[str]:
 
 
 def test_cli_grpo_run_dir_and_overwrite(tiny_cli, tmp_path, capsys):
-    from qpass.rl.cli import main
+    from qpass.apps.grpo.cli import main
 
     out = tmp_path / "run"
     assert main(["grpo", "--recipe", "quads_nvfp4", "--steps", "2", "--out", str(out), *tiny_cli]) == 0
@@ -469,8 +469,8 @@ def test_cli_grpo_run_dir_and_overwrite(tiny_cli, tmp_path, capsys):
 
 
 def test_cli_interrupt_leaves_no_run_dir(tiny_cli, tmp_path, monkeypatch):
-    from qpass.rl import cli
-    from qpass.rl.grpo import GRPOTrainer as T
+    from qpass.apps.grpo import cli
+    from qpass.apps.grpo.grpo import GRPOTrainer as T
 
     real_step = T.step
     calls = {"n": 0}
@@ -491,7 +491,7 @@ def test_cli_interrupt_leaves_no_run_dir(tiny_cli, tmp_path, monkeypatch):
 
 
 def test_cli_several_recipes_and_plot(tiny_cli, tmp_path):
-    from qpass.rl.cli import main
+    from qpass.apps.grpo.cli import main
 
     out = tmp_path / "cmp"
     args = [a for a in tiny_cli if a != "--no-plots"]
@@ -506,7 +506,7 @@ def test_cli_several_recipes_and_plot(tiny_cli, tmp_path):
 
 
 def test_cli_argument_errors(tmp_path, capsys):
-    from qpass.rl.cli import main
+    from qpass.apps.grpo.cli import main
 
     assert main(["grpo", "--recipe", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "built-in recipes" in capsys.readouterr().err

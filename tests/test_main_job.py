@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qpass.apply import ApplyOptions, run_apply, run_check
-from qpass.backends.torch import TorchLearner, sync_weights
-from qpass.cli import main as cli_main
+from qpass.apps.apply import ApplyOptions, run_apply, run_check
+from qpass.runtime import TorchLearner, sync_weights
+from qpass.apps.cli import main as cli_main
 from qpass.errors import CaptureError
 from qpass.parity.checker import check_weights_bitexact
 from qpass.recipe import load_recipe
@@ -192,7 +192,7 @@ def test_check_rejects_a_corrupt_report(tmp_path, capsys):
 
 
 def test_force_replaces_only_empty_or_previous_qpass_output(tmp_path):
-    from qpass.artifacts import atomic_dir
+    from qpass.apps.artifacts import atomic_dir
     from qpass.errors import QpassError
 
     mine = tmp_path / "mine"
@@ -218,8 +218,8 @@ def test_force_replaces_only_empty_or_previous_qpass_output(tmp_path):
 def test_sigterm_during_apply_leaves_no_output(tmp_path, monkeypatch, capsys):
     import signal
 
-    import qpass.apply as apply_mod
-    from qpass.artifacts import atomic_dir
+    import qpass.apps.apply as apply_mod
+    from qpass.apps.artifacts import atomic_dir
 
     def fake_run_apply(recipe, out, o, **kw):
         with atomic_dir(out) as tmp:

@@ -317,7 +317,7 @@ def test_gathered_batch_and_static_rac_site_match_reference():
 
 
 def test_export_writes_atomically_and_reads_back_from_artifacts(tiny_pipeline, tmp_path):
-    from qpass.artifacts import save_rollout
+    from qpass.apps.artifacts import save_rollout
     from qpass.recipe import parse_recipe
 
     text = "name: quads_like\nrollout:\n  - pass: w4a4_lower\n    act: nvfp4\n  - pass: residual_compensation\n    ratio: 0.5\n"

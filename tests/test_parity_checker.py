@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qpass.backends.torch import TorchLearner, TorchRollout, sync_weights
+from qpass.runtime import TorchLearner, TorchRollout, sync_weights
 from qpass.parity.checker import check_structural, check_weights_bitexact, site_dataflow
 from qpass.quant.emulation import emulate
 from qpass.quant.groups import group_amax

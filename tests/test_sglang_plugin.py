@@ -154,7 +154,7 @@ def test_fused_group_with_different_global_scales_is_rejected(w4a4_rollout):
 
 
 def test_named_tensors_from_an_apply_directory(w4a4_rollout, tmp_path):
-    from qpass.artifacts import save_rollout
+    from qpass.apps.artifacts import save_rollout
 
     save_rollout(w4a4_rollout[1], tmp_path / "rollout", "name: t\nrollout: []\n", {})
     a = qsgl.named_tensors_from_rollout(tmp_path)

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from qpass.backends.torch import TorchRollout
+from qpass.runtime import TorchRollout
 from qpass.errors import QpassError
 from qpass.prompts import encode_chat, probe_prompts
 
@@ -59,7 +59,7 @@ def _assert_replay_equals_generate(qg, prompts, pad, eos, **kw):
 
 
 def test_replay_equals_generate_default_model(pipe):
-    from qpass.study import _passes, build_graph, rollout_specs
+    from qpass.apps.study.run import _passes, build_graph, rollout_specs
 
     tok = pipe.tokenizer
     prompts = encode_chat(tok, probe_prompts(3))  # 3 real rows + 1 filler row in the static batch of 4
@@ -92,7 +92,7 @@ def test_replay_rejects_bad_input(tiny_pipeline):
 
 
 def test_study_quick(pipe, tmp_path):
-    from qpass.study import QUICK_RATIOS, build_parser, config_from_args, run_study, write_outputs
+    from qpass.apps.study import QUICK_RATIOS, build_parser, config_from_args, run_study, write_outputs
 
     out = tmp_path / "study"
     cfg = config_from_args(build_parser().parse_args(["--quick", "--out", str(out), "--no-progress"]))
@@ -149,7 +149,7 @@ def test_study_quick(pipe, tmp_path):
 
 
 def test_cli_rejects_bad_ratios(tmp_path):
-    from qpass.study import main
+    from qpass.apps.study import main
 
     assert main(["--quick", "--out", str(tmp_path / "x"), "--ratios", "0,150"]) == 2
     assert main(["--quick", "--out", str(tmp_path / "x"), "--ratios", "a,b"]) == 2

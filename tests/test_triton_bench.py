@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from qpass import bench
+from qpass.backends.triton import bench
 
 
 def test_bench_quick_cpu(tmp_path):

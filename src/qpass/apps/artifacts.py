@@ -1,0 +1,267 @@
+"""Output directories written atomically, and the rollout / learner artifacts.
+
+* :func:`atomic_dir`: build everything in a sibling temp dir and rename it into place at the end;
+  an exception or Ctrl-C removes the temp dir, so ``DIR`` is either complete or absent.
+* Rollout artifacts (``rollout/weights.safetensors``): per NVFP4 site ModelOpt ``modelopt_fp4``
+  names — ``<site>.weight`` uint8 ``[N, K/2]`` (low nibble = even k), ``<site>.weight_scale``
+  float8_e4m3fn ``[N, K/16]`` (linear layout), ``<site>.weight_scale_2`` float32 0-dim = ``S_dec``
+  (a decode **multiplier**) — plus ``<site>.weight_global_scale`` = ``S_enc`` (compressed-tensors
+  naming, an encode divisor) so neither convention has to be derived by a reciprocal. FP8 sites:
+  ``<site>.weight`` float8_e4m3fn and ``<site>.weight_scale_inv`` float32 block decode multipliers.
+  MXFP4 sites: ``<site>.weight`` uint8 packed E2M1 and ``<site>.weight_scale`` uint8 E8M0 bytes.
+  Static RAC sites add ``<site>.rac_channels`` (int64). ``hf_quant_config.json`` records per site the
+  weight spec, the activation spec (None = weight-only) and the fused group; ``quant_algo`` is
+  ``NVFP4`` (W4A4), ``W4A16_NVFP4``, ``FP8_BLOCK`` or ``MXFP4``.
+  Activation scales are dynamic (computed per forward), so no ``input_scale`` is stored.
+* Learner state (``learner/model.safetensors``): the BF16 master weights under Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from qpass.atomic import current_umask, write_atomic
+from qpass.errors import QpassError
+from qpass.graph.capture import site_of
+from qpass.graph.qgraph import QGraph
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path, *, force: bool = False, marker: str = "report.json") -> Iterator[Path]:
+    """Yield a temp directory that becomes ``final`` only if the block completes.
+
+    With ``force``, an existing ``final`` is replaced only if it is an empty directory or a previous
+    qpass output (it holds ``marker``): ``--force`` never deletes an unrelated directory.
+
+    Raises:
+        QpassError: ``final`` exists and ``force`` is False, or ``final`` is not replaceable.
+    """
+    final = Path(final)
+    if final.exists() and not force:
+        raise QpassError(f"output directory {final} already exists (pass --force to replace it)")
+    if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / marker).is_file())):
+        raise QpassError(f"--force replaces only an empty directory or a previous qpass output (with {marker}); "
+                         f"{final} is {'a file' if not final.is_dir() else f'a non-empty directory without {marker}'}")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        yield tmp
+        _umask_permissions(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{int(time.time())}"
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask_permissions(root: Path) -> None:
+    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would have.
+
+    ``tempfile.mkdtemp`` creates 0700 and safetensors' ``save_file`` writes 0600 files; a finished
+    output directory is meant to be read by others as the process umask allows (0755 / 0644 at
+    umask 022).
+    """
+    mask = current_umask()
+    for dirpath, _dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON via a temp file + rename (never a half-written file)."""
+    write_atomic(path, json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, set | tuple):
+        return list(o)
+    return str(o)
+
+
+def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
+    """The rollout's quantized weights under checkpoint names (see module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    for sid, rec in rollout.quant.items():
+        c = rec.get("constants")
+        if not c:
+            continue
+        if rec["kind"] == "nvfp4_linear":
+            s_dec = rollout.gm.get_buffer(c["s_dec"]).detach().cpu()
+            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["codes"]).detach().cpu()
+            out[f"{sid}.weight_scale"] = rollout.gm.get_buffer(c["scales"]).detach().cpu()
+            out[f"{sid}.weight_scale_2"] = s_dec
+            out[f"{sid}.weight_global_scale"] = rollout.gm.get_buffer(c["s_enc"]).detach().cpu()
+        elif rec["kind"] == "fp8_linear":
+            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["data"]).detach().cpu()
+            out[f"{sid}.weight_scale_inv"] = rollout.gm.get_buffer(c["scale"]).detach().cpu()
+        elif rec["kind"] == "mxfp4_linear":
+            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["codes"]).detach().cpu()
+            out[f"{sid}.weight_scale"] = rollout.gm.get_buffer(c["scales"]).detach().cpu()
+        ch = _static_channels(rollout, sid)
+        if ch is not None:
+            out[f"{sid}.rac_channels"] = ch.detach().cpu()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _static_channels(rollout: QGraph, sid: str) -> torch.Tensor | None:
+    """The calibrated RAC channel constant of a site (``selection: static``), or None."""
+    for n in rollout.nodes_of_site(sid):
+        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(n.args[10], torch.fx.Node):
+            return rollout.gm.get_buffer(str(n.args[10].target))
+    return None
+
+
+def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write ``weights.safetensors``, ``hf_quant_config.json`` and ``recipe.yaml`` into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = rollout_tensors(rollout)
+    files: dict[str, Any] = {}
+    if tensors:
+        # one metadata key: safetensors orders the header's metadata map arbitrarily, so a second key
+        # would make the file's bytes differ between identical runs (the recipe is in recipe.yaml)
+        save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout"})
+        files["weights"] = "weights.safetensors"
+    nvfp4 = [s for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear"]
+    fp8 = [s for s, r in rollout.quant.items() if r.get("kind") == "fp8_linear"]
+    mx = [s for s, r in rollout.quant.items() if r.get("kind") == "mxfp4_linear"]
+    quantized = set(nvfp4) | set(fp8) | set(mx)
+    w4a4 = [s for s in nvfp4 if rollout.quant[s].get("act_spec")]
+    algo = ("NVFP4" if w4a4 else "W4A16_NVFP4") if nvfp4 else ("FP8_BLOCK" if fp8 else ("MXFP4" if mx else None))
+    cfg = {
+        "producer": {"name": "qpass", "version": meta.get("qpass_version", "")},
+        "quantization": {
+            "quant_algo": algo,
+            "group_size": 16 if nvfp4 else None,
+            "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier); weight_global_scale = S_enc (encode divisor)",
+            "scale_layout": "linear",
+            "input_activations": {"dynamic": True, "per_token": any((rollout.quant[s].get("act_spec") or "").endswith("per_token") for s in nvfp4)},
+            "exclude_modules": sorted(s for s in rollout.sites if s not in quantized),
+            "groups": {s: rollout.quant[s]["group"] for s in sorted(quantized)},
+            "rac": {s: rollout.quant[s]["rac"] for s in nvfp4 if "rac" in rollout.quant[s]},
+            # per site: format, activation spec (None = weight-only), group; what a loader needs to rebuild the ops
+            "sites": {s: {"kind": rollout.quant[s]["kind"], "weight_spec": rollout.quant[s]["spec"],
+                          "act_spec": rollout.quant[s].get("act_spec"), "group": rollout.quant[s]["group"]}
+                      for s in sorted(quantized)},
+        },
+    }
+    write_json(directory / "hf_quant_config.json", cfg)
+    (directory / "recipe.yaml").write_text(recipe_text)
+    files.update(config="hf_quant_config.json", recipe="recipe.yaml", tensors=len(tensors))
+    return files
+
+
+def probe_safetensors(path: Path, what: str) -> int:
+    """Read the header of a saved ``.safetensors`` file (no tensor data). Returns its tensor count.
+
+    Raises:
+        QpassError: the file is missing, truncated or not a safetensors file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise QpassError(f"{what} {path} is missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return len(list(f.keys()))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise QpassError(f"{what} {path} is not a readable safetensors file: {exc}") from exc
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise QpassError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
+def load_rollout_into(rollout: QGraph, path: Path) -> int:
+    """Overwrite the rollout graph's quantized constants with a saved ``weights.safetensors``.
+
+    Returns the number of tensors loaded.
+    Raises:
+        QpassError: unreadable file, a site of the graph is missing from the file, or shapes/dtypes differ.
+    """
+    data = _load(path)
+    n = 0
+    for sid, rec in rollout.quant.items():
+        c = rec.get("constants")
+        if not c:
+            continue
+        pairs = {
+            "nvfp4_linear": (("weight", "codes"), ("weight_scale", "scales"), ("weight_scale_2", "s_dec")),
+            "fp8_linear": (("weight", "data"), ("weight_scale_inv", "scale")),
+            "mxfp4_linear": (("weight", "codes"), ("weight_scale", "scales")),
+        }[rec["kind"]]
+        for fname, cname in pairs:
+            key = f"{sid}.{fname}"
+            if key not in data:
+                raise QpassError(f"{path}: missing tensor {key}")
+            buf = rollout.gm.get_buffer(c[cname])
+            t = data[key]
+            if t.shape != buf.shape or t.dtype != buf.dtype:
+                raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the graph expects {buf.dtype}{tuple(buf.shape)}")
+            buf.copy_(t)
+            n += 1
+        ch = _static_channels(rollout, sid)
+        if ch is not None:
+            key = f"{sid}.rac_channels"
+            if key not in data or data[key].shape != ch.shape:
+                raise QpassError(f"{path}: missing or misshapen static RAC channels {key}")
+            ch.copy_(data[key])
+            n += 1
+    return n
+
+
+def save_learner(learner: QGraph, path: Path) -> int:
+    """Write the learner's master weights (HF names, shared tensors once). Returns the tensor count."""
+    seen: set[int] = set()
+    out = {}
+    for name, p in learner.gm.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        out[site_of(name)] = p.detach().cpu().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path), metadata={"format": "qpass-learner"})
+    return len(out)
+
+
+def load_learner_into(learner: QGraph, path: Path) -> int:
+    """Load master weights saved by :func:`save_learner` (tied parameters get the same values).
+
+    Raises:
+        QpassError: unreadable file, or no parameter of the graph in it.
+    """
+    data = _load(path)
+    n = 0
+    with torch.no_grad():
+        for name, p in learner.gm.named_parameters(remove_duplicate=False):
+            key = site_of(name)
+            if key in data:
+                p.copy_(data[key])
+                n += 1
+    if n == 0:
+        raise QpassError(f"{path}: no learner parameter matched")
+    return n

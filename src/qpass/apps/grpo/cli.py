@@ -1,0 +1,478 @@
+"""Command line: ``qpass grpo`` (train and log) and ``qpass grpo-plot`` (overlay runs).
+
+    qpass grpo --recipe quads_nvfp4 --model default --steps 20 --out runs/quads
+    qpass grpo --recipe bf16,naive_nvfp4,quads_nvfp4 --steps 20 --out runs/cmp   # one run dir per recipe
+    qpass grpo-plot runs/cmp/bf16 runs/cmp/naive_nvfp4 runs/cmp/quads_nvfp4 --out cmp.png
+
+Entry points: :func:`main` (``argv[0]`` is ``grpo`` or ``grpo-plot``), :func:`grpo_main` and
+:func:`grpo_plot_main` (arguments after the subcommand). ``python -m qpass.apps.grpo.cli grpo ...`` works
+too.
+
+**Output directories are written atomically.** A run is built in a hidden temporary directory next
+to its final path and renamed into place only when it finishes, so ``DIR`` either does not exist
+or is complete. On Ctrl-C or an error the temporary directory is deleted, or, with
+``--keep-partial``, renamed to ``DIR.partial`` (never ``DIR``). With several recipes the model is
+loaded and captured once, each recipe gets ``DIR/<recipe>`` (atomic each) and ``DIR/overlay.png``;
+a recipe that fails is reported and the others still run (exit status 1).
+
+Run directory: ``config.json`` (arguments, resolved config, model, timings), ``recipe.yaml``,
+``metrics.jsonl`` (one row per step; keys in :mod:`qpass.apps.grpo.grpo`), ``eval.jsonl``,
+``layerwise.jsonl``, ``summary.json`` and ``plots.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("qpass.apps.grpo.cli")
+
+__all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_main", "main"]
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def _bounded(cast: type, lo: int, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: ``cast(s)`` (int, or a finite float) that is ``> lo`` (strict) or ``>= lo``."""
+    op = ">" if strict else ">="
+    kind = "an integer" if cast is int else "a number"
+
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected {kind} {op} {lo}, got {s!r}") from exc
+        if not ((v > lo if strict else v >= lo) and (cast is int or math.isfinite(v))):
+            got = v if cast is int else repr(s)
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a finite number'} {op} {lo}, got {got}")
+        return v
+
+    return parse
+
+
+_pos_int = _bounded(int, 1, strict=False)
+_nonneg_int = _bounded(int, 0, strict=False)
+_pos_float = _bounded(float, 0, strict=True)
+_nonneg_float = _bounded(float, 0, strict=False)
+
+
+def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
+    """The ``qpass grpo`` argument parser."""
+    ap = argparse.ArgumentParser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
+                                 "logs SPEC §4 mismatch diagnostics per step.")
+    g = ap.add_argument_group("run")
+    g.add_argument("--recipe", required=True, help="recipe name or YAML path; a comma list runs each (one model load)")
+    g.add_argument("--model", default="default", help="'default' (SmolLM2-135M GGUF), a .gguf file or an HF model directory")
+    g.add_argument("--steps", type=_pos_int, default=20, help="GRPO steps per recipe (default 20)")
+    g.add_argument("--out", required=True, type=Path, help="run directory (several recipes: parent of one dir per recipe)")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype (default bf16)")
+    g.add_argument("--kernels", default="reference", choices=["reference", "triton"], help="rollout kernel backend")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    g.add_argument("--keep-partial", action="store_true", help="on error/Ctrl-C keep what was written as DIR.partial")
+    g.add_argument("--max-time-s", type=_pos_float, default=None, help="time budget per recipe (seconds)")
+    g.add_argument("--total-time-s", type=_pos_float, default=None,
+                   help="time budget for everything incl. model load; split evenly over the remaining recipes")
+    g.add_argument("--threads", type=_pos_int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is much faster on an oversubscribed machine)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-plots", action="store_true", help="do not write plots")
+    g.add_argument("-v", "--verbose", action="store_true")
+
+    g = ap.add_argument_group("sampling")
+    g.add_argument("--prompts-per-step", type=_pos_int, default=8)
+    g.add_argument("--group-size", type=_pos_int, default=4, help="responses per prompt (G)")
+    g.add_argument("--max-new-tokens", type=_pos_int, default=48)
+    g.add_argument("--temperature", type=_pos_float, default=1.0)
+    g.add_argument("--top-p", type=_pos_float, default=1.0)
+    g.add_argument("--batch-size", type=_pos_int, default=None,
+                   help="rollout graph static batch (default: prompts-per-step x group-size, at most 64)")
+    g.add_argument("--max-len", type=_pos_int, default=None, help="KV cache length (default: longest prompt + max new tokens)")
+
+    g = ap.add_argument_group("optimization")
+    g.add_argument("--lr", type=_pos_float, default=1e-5)
+    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
+    g.add_argument("--grad-clip", type=_nonneg_float, default=1.0, help="max grad norm (0: no clipping)")
+    g.add_argument("--master-dtype", default="fp32", choices=["fp32", "param"])
+    g.add_argument("--ppo-epochs", type=_pos_int, default=1)
+    g.add_argument("--minibatches", type=_pos_int, default=1, help="optimizer steps per epoch")
+    g.add_argument("--micro-batch-size", type=_pos_int, default=None, help="rows per learner forward (default: batch size)")
+
+    g = ap.add_argument_group("loss (SPEC §5)")
+    g.add_argument("--correction", default="none", choices=["none", "tis", "mis"])
+    g.add_argument("--tis-cap", type=_pos_float, default=2.0)
+    g.add_argument("--mis-lo", type=_nonneg_float, default=0.5)
+    g.add_argument("--mis-hi", type=_pos_float, default=2.0)
+    g.add_argument("--eps-low", type=_nonneg_float, default=0.2)
+    g.add_argument("--eps-high", type=_nonneg_float, default=0.2)
+    g.add_argument("--beta", type=_nonneg_float, default=0.0, help="k3 KL to the initial learner weights")
+    g.add_argument("--agg", default="token_mean", choices=["token_mean", "seq_mean"])
+    g.add_argument("--mask-truncated", action="store_true", help="exclude responses without EOS from the loss")
+
+    g = ap.add_argument_group("task and reward")
+    g.add_argument("--difficulty", type=int, default=2, choices=[1, 2, 3, 4],
+                   help="task preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
+    g.add_argument("--n-train", type=_pos_int, default=2000)
+    g.add_argument("--n-eval", type=_nonneg_int, default=200)
+    g.add_argument("--reward", default="exact", help="'exact', 'format' (exact + --format-weight for a well-formed "
+                   "wrong answer) or MODULE:ATTR naming a callable (prompt_meta, response_text) -> float")
+    g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
+
+    g = ap.add_argument_group("checks and diagnostics")
+    g.add_argument("--bitexact-every", type=_nonneg_int, default=10, help="full bit-exact parity check every N steps (0: last only)")
+    g.add_argument("--on-parity-failure", default="raise", choices=["raise", "warn"])
+    g.add_argument("--no-initial-check", action="store_true")
+    g.add_argument("--no-shadow", action="store_true", help="skip the BF16 shadow (no clip-branch disagreement)")
+    g.add_argument("--shadow-weights", default="learner", choices=["learner", "master"],
+                   help="BF16 shadow weights: as the learner forward uses them (default) or the BF16 masters")
+    g.add_argument("--diag-every", type=_nonneg_int, default=5, help="layer-wise probe + decoded visibility every N steps")
+    g.add_argument("--eval-every", type=_nonneg_int, default=5, help="held-out eval every N steps (0: never)")
+    g.add_argument("--eval-prompts", type=_nonneg_int, default=32)
+    g.add_argument("--eval-max-new-tokens", type=_pos_int, default=None)
+    g.add_argument("--eval-temperature", type=_nonneg_float, default=0.0, help="0 = greedy")
+    g.add_argument("--ess-cap", type=_pos_float, default=2.0)
+    return ap
+
+
+def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
+    """The ``qpass grpo-plot`` argument parser."""
+    ap = argparse.ArgumentParser(prog=prog, description="Overlay GRPO runs (gap, reward, eval accuracy vs step).")
+    ap.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", required=True, type=Path, help="output image (PNG)")
+    ap.add_argument("--metric", action="append", default=None,
+                    help="a metrics key to plot (repeatable; default: gap/token/g_abs, gap/max_abs, reward/mean, eval/accuracy)")
+    ap.add_argument("--smooth", type=_pos_int, default=1, help="moving-average window")
+    ap.add_argument("--title", default=None)
+    return ap
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``qpass grpo: error: ...`` with exit status 2."""
+
+
+def _load_reward(spec: str, format_weight: float) -> Any:
+    from qpass.rl.task import ExactAnswerReward, exact_answer_reward
+
+    if spec == "exact":
+        return exact_answer_reward
+    if spec == "format":
+        if not format_weight < 1:
+            raise CliError(f"--format-weight must be in [0, 1), got {format_weight}")
+        return ExactAnswerReward(format_weight=format_weight)
+    if ":" not in spec:
+        raise CliError(f"--reward must be 'exact', 'format' or MODULE:ATTR, got {spec!r}")
+    mod, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CliError(f"--reward {spec!r}: cannot import: {exc}") from exc
+    if not callable(obj):
+        raise CliError(f"--reward {spec!r} is not callable")
+    return obj
+
+
+def _recipes(spec: str) -> list[Any]:
+    from qpass.errors import RecipeError
+    from qpass.recipe import load_recipe
+
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise CliError("--recipe is empty")
+    out = []
+    for n in names:
+        try:
+            out.append(load_recipe(n))
+        except RecipeError as exc:
+            raise CliError(f"--recipe: {exc}") from exc
+    seen: set[str] = set()
+    for r in out:
+        if r.name in seen:
+            raise CliError(f"--recipe names {r.name!r} twice")
+        seen.add(r.name)
+    return out
+
+
+def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) -> Any:
+    from qpass.apps.grpo.grpo import GRPOConfig
+    from qpass.rl.loss import Correction, LossConfig
+
+    try:
+        corr = Correction(kind=a.correction, cap=a.tis_cap, lo=a.mis_lo, hi=a.mis_hi)
+        loss = LossConfig(eps_low=a.eps_low, eps_high=a.eps_high, correction=corr, agg=a.agg, beta=a.beta)
+        return GRPOConfig(
+            steps=steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature, top_p=a.top_p, lr=a.lr, weight_decay=a.weight_decay,
+            grad_clip=a.grad_clip or None, master_dtype=a.master_dtype, ppo_epochs=a.ppo_epochs, minibatches=a.minibatches,
+            micro_batch_size=a.micro_batch_size, loss=loss, mask_truncated=a.mask_truncated, seed=a.seed,
+            bitexact_every=a.bitexact_every, on_parity_failure=a.on_parity_failure, shadow=not a.no_shadow,
+            shadow_weights=a.shadow_weights,
+            diag_every=a.diag_every, eval_every=a.eval_every if a.n_eval else 0, eval_prompts=min(a.eval_prompts, a.n_eval),
+            eval_max_new_tokens=a.eval_max_new_tokens, eval_temperature=a.eval_temperature, ess_cap=a.ess_cap,
+            initial_check=not a.no_initial_check, max_time_s=max_time_s,
+        )
+    except (ValueError, TypeError) as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _finish_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Rename the finished temp dir onto ``dest`` (replacing it only with ``overwrite``)."""
+    trash = None
+    if dest.exists():
+        if not overwrite:
+            raise CliError(f"{dest} appeared while the run was going; result left in {tmp}")
+        trash = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old-"))
+        os.rename(dest, trash / dest.name)
+    os.rename(tmp, dest)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _abandon_dir(tmp: Path, dest: Path, keep_partial: bool) -> Path | None:
+    """Delete the temp dir, or move it to ``dest.partial`` with ``keep_partial``; returns where it went."""
+    if not tmp.exists():
+        return None
+    if keep_partial:
+        part = dest.with_name(dest.name + ".partial")
+        if part.exists():
+            shutil.rmtree(part, ignore_errors=True)
+        os.rename(tmp, part)
+        return part
+    shutil.rmtree(tmp, ignore_errors=True)
+    return None
+
+
+def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
+    from qpass.prompts import encode_chat
+    from qpass.rl.task import format_prompt
+
+    texts = [format_prompt(p, template) for p in list(task.train) + list(task.eval)]
+    return max(len(x) for x in encode_chat(tokenizer, texts))
+
+
+def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: Any, dest: Path, steps: int,
+             max_time_s: float | None, argv: Sequence[str]) -> dict[str, Any]:
+    """Train one recipe into ``dest`` (atomically). Returns the summary."""
+    from qpass.apps.grpo.grpo import GRPOTrainer
+    from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
+    from qpass.apps.grpo.plots import plot_runs
+
+    cfg = _grpo_config(a, steps, max_time_s)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the finished run directory is meant to be shared
+    ok = False
+    try:
+        t0 = time.perf_counter()
+        learner, rollout = pipe.build(recipe)
+        build_s = time.perf_counter() - t0
+        config = {
+            "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
+            "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
+            "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "reward": a.reward,
+            "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
+        }
+        write_json_atomic(tmp / "config.json", config)
+        write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
+        trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
+                              shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
+                              layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name)
+        res = trainer.run(progress=not a.no_progress)
+        last = res.rows[-1] if res.rows else {}
+        keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
+                "clip/frac", "reward/mean", "eval/accuracy", "parity/fp_ok", "parity/bitexact_ok", "vis/code_frac")
+        rows = res.rows
+        summary = {
+            "recipe": recipe.name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
+            "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
+            "last": {k: last.get(k) for k in keys},
+            "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
+                                                                                "shadow_gap/token/g_abs", "clip/frac")},
+            "reward_failures": trainer.reward.stats(),
+            "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
+            and all(r.get("parity/bitexact_ok", True) for r in rows),
+        }
+        write_json_atomic(tmp / "summary.json", summary)
+        if not a.no_plots and rows:
+            plot_runs([tmp], tmp / "plots.png", title=f"GRPO {recipe.name}")
+        _finish_dir(tmp, dest, a.overwrite)
+        ok = True
+        return summary
+    finally:
+        if not ok:
+            where = _abandon_dir(tmp, dest, a.keep_partial)
+            if where is not None:
+                print(f"qpass grpo: partial output of {recipe.name} kept in {where}", file=sys.stderr)
+
+
+def _mean(xs: list[Any]) -> float | None:
+    v = [float(x) for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    return sum(v) / len(v) if v else None
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def grpo_main(argv: Sequence[str] | None = None) -> int:
+    """``qpass grpo`` (arguments after the subcommand). Returns the exit status.
+
+    0: every recipe finished; 1: a recipe failed (others still ran); 2: bad arguments;
+    130: interrupted (Ctrl-C), nothing half-written left at the output path.
+    """
+    ap = build_grpo_parser()
+    try:
+        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return _exit_code(exc)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    t_start = time.perf_counter()
+    try:
+        recipes = _recipes(a.recipe)
+        multi = len(recipes) > 1
+        dests = {r.name: (a.out / r.name if multi else a.out) for r in recipes}
+        for d in dests.values():
+            if d.exists() and not a.overwrite:
+                raise CliError(f"--out: {d} exists (use --overwrite to replace it)")
+        reward = _load_reward(a.reward, a.format_weight)
+        if a.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise CliError("--device cuda: no CUDA device is available")
+        if a.kernels == "triton":
+            try:
+                importlib.import_module("qpass.backends.triton")
+            except ImportError as exc:
+                raise CliError(f"--kernels triton: {exc}") from exc
+    except CliError as exc:
+        ap.print_usage(sys.stderr)
+        print(f"qpass grpo: error: {exc}", file=sys.stderr)
+        return 2
+
+    from qpass.errors import QpassError
+    from qpass.graph.model import load_model
+    from qpass.ops import use_kernels
+    from qpass.pipeline import DTYPES, Pipeline
+    from qpass.apps.grpo.plots import plot_runs
+    from qpass.rl.task import DEFAULT_TEMPLATE, ArithmeticTask, difficulty_preset
+
+    if a.threads is not None:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    failed: list[str] = []
+    try:
+        try:
+            task = ArithmeticTask(difficulty_preset(a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed))
+        except ValueError as exc:
+            raise CliError(f"task: {exc}") from exc
+        lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
+        need = _max_prompt_len(lm.tokenizer, task, DEFAULT_TEMPLATE) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
+        max_len = a.max_len or int(math.ceil(need / 16) * 16)
+        if max_len < need:
+            raise CliError(f"--max-len {max_len} is shorter than the longest prompt + max new tokens ({need})")
+        batch = a.batch_size or min(a.prompts_per_step * a.group_size, 64)
+        pipe = Pipeline.prepare(a.model, dtype=a.dtype, device=a.device, batch_size=batch, max_len=max_len, loaded=lm)
+        summaries = {}
+        with use_kernels(a.kernels):
+            for i, recipe in enumerate(recipes):
+                budget = a.max_time_s
+                if a.total_time_s is not None:
+                    left = a.total_time_s - (time.perf_counter() - t_start)
+                    share = left / (len(recipes) - i)
+                    if share <= 0:
+                        print(f"qpass grpo: total time budget spent; skipping {recipe.name}", file=sys.stderr)
+                        failed.append(recipe.name)
+                        continue
+                    budget = share if budget is None else min(budget, share)
+                try:
+                    summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list)
+                    s = summaries[recipe.name]
+                    print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
+                          f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
+                          file=sys.stderr)
+                except (QpassError, ValueError, RuntimeError) as exc:
+                    if not multi:
+                        raise
+                    failed.append(recipe.name)
+                    print(f"qpass grpo: {recipe.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                finally:
+                    gc.collect()
+                    if a.device == "cuda":
+                        import torch
+
+                        torch.cuda.empty_cache()
+        if multi and not a.no_plots:
+            done = [dests[n] for n in summaries]
+            if done:
+                plot_runs(done, a.out / "overlay.png", title="GRPO: " + ", ".join(summaries))
+    except KeyboardInterrupt as exc:
+        from qpass.errors import Terminated
+
+        print(f"qpass grpo: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; no partial run directory left behind"
+              + (" (see *.partial)" if a.keep_partial else ""), file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
+    except CliError as exc:
+        print(f"qpass grpo: error: {exc}", file=sys.stderr)
+        return 2
+    except QpassError as exc:
+        print(f"qpass grpo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
+    """``qpass grpo-plot RUN_DIR... --out PNG`` (arguments after the subcommand). Returns the exit status."""
+    from qpass.apps.grpo.plots import plot_runs
+
+    ap = build_plot_parser()
+    try:
+        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return _exit_code(exc)
+    try:
+        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"qpass grpo-plot: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``grpo ...`` or ``grpo-plot ...``; returns the exit status (2 for an unknown subcommand)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main}
+    if not args or args[0] not in commands:
+        print(f"usage: qpass {{{','.join(commands)}}} ...  (got {args[0]!r})" if args else
+              f"usage: qpass {{{','.join(commands)}}} ...", file=sys.stderr)
+        return 2
+    return commands[args[0]](args[1:])
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """argparse's SystemExit as a return value (--help: 0, usage error: 2)."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

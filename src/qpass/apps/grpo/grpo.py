@@ -1,0 +1,744 @@
+"""The GRPO loop over a learner graph and a (quantized) rollout graph (SPEC §5, issue 5).
+
+Three policies, kept distinct (SPEC §5):
+
+* **behaviour** ``q``: the rollout graph that sampled; ``log q`` is recorded at sampling time
+  (:class:`qpass.runtime.TorchRollout`), never recomputed;
+* **proximal** ``p_prox``: the learner at the rollout snapshot: every sampled row is scored by the
+  learner *before* any optimizer step of this step, without gradient;
+* **current** ``p_theta``: the learner during the update, with gradient.
+
+One :meth:`GRPOTrainer.step`:
+
+1. draw ``prompts_per_step`` training problems, sample ``group_size`` responses each with the
+   rollout graph in chunks of its static batch size (chunk ``c`` of step ``s`` uses a seed derived
+   from ``(seed, s, c)`` only, so every recipe sees the same prompts and seeds);
+2. rewards through the plug-in reward wrapped by :func:`qpass.rl.task.safe_reward` (exceptions,
+   non-numbers and NaN/inf become 0 and are counted); group advantages
+   (:func:`qpass.rl.loss.group_advantages`: an all-equal group gets exactly 0);
+3. ``p_prox`` (and ``p_ref`` when ``beta > 0``: the learner's initial weights) with the same
+   micro-batches the first epoch of the update uses, so on the first minibatch ``r = p_theta /
+   p_prox`` is exactly 1 (logged as ``check/first_minibatch_ratio_exact``);
+4. ``ppo_epochs`` x ``minibatches`` optimizer steps of :func:`qpass.rl.loss.grpo_loss` with gradient
+   accumulation over micro-batches (the loss's outer denominator is the minibatch's valid-token
+   count, or its number of non-empty responses under ``seq_mean``); micro-batch *compositions* are
+   fixed for the whole step (only their order is shuffled in later epochs), so no score ever
+   changes because of batch composition; AdamW on FP32 master weights
+   (:class:`qpass.apps.grpo.weights.MasterOptimizer`) with gradient-norm clipping. A micro-batch whose
+   advantages are all 0 (and ``beta == 0``) contributes exactly 0 loss and gradient and is skipped;
+5. :func:`qpass.runtime.sync_weights` re-quantizes the rollout from the new weights, then
+   :func:`qpass.apps.grpo.weights.verify_sync` checks it (every step) and
+   :func:`qpass.parity.checker.check_weights_bitexact` every ``bitexact_every`` steps and on the
+   last step, for recipes whose learner fake-quantizes weights;
+6. diagnostics (one JSONL row per step, appended and flushed before the next step starts).
+
+Row keys (``null`` = no data, e.g. no valid token):
+
+* ``gap/...``: SPEC §4 metrics of ``(p_prox, q)`` over loss tokens
+  (:meth:`qpass.diagnostics.MismatchMetrics.to_dict`): ``gap/token/g_abs`` is ``G_abs`` (token
+  mean), ``gap/resp/g_abs`` the response mean, ``gap/max_abs``, ``gap/{token,resp}/{k1,k3,ess_raw,
+  ess_trunc}`` (truncation at ``ess_cap``), non-finite counts;
+* ``shadow_gap/...``: the same metrics of ``(q_bf16, q)``: the behaviour policy against the BF16
+  shadow (:class:`qpass.apps.grpo.probes.BF16Shadow`: the unquantized step graph in prefill mode with the
+  weights the learner computes with, by default), i.e. what the rollout-side quantization adds
+  beyond what the learner models, plus the prefill-versus-decode drift (the ``bf16`` recipe's value);
+* ``clip/...``: :func:`qpass.diagnostics.clip_branch_disagreement` of ``p_theta/q`` versus
+  ``p_theta/q_bf16`` at the start of the update (``p_theta = p_prox``: the ratios a PPO that uses
+  the behaviour log-probs as "old" would clip on its first minibatch), split by advantage sign;
+  ``clip_upd/frac*`` the same with ``p_theta`` from each token's last update forward;
+* ``loss/...``, ``opt/...``: aggregated loss statistics (incl. ``loss/n_dropped``: tokens with a
+  non-finite log-ratio dropped under the loss's policy), gradient norm, parameter elements changed;
+* ``vis/...``: update visibility (canonical codes / scale bytes / global scales that the sync
+  changed; ``vis/value_frac``: decoded values, on diagnostic steps);
+* ``parity/...``: sync counts, three-way fingerprint check, full bit-exact check when it ran;
+* ``layerwise/...`` (diagnostic steps): mean/max relative input mismatch over linear sites;
+* ``eval/...`` (eval steps): held-out exact-answer accuracy;
+* ``reward/...``, ``adv/...``, ``resp/...``, ``entropy/token_mean`` (of the proximal policy's
+  sampling distribution at loss tokens), ``rollout/tokens_per_s``, ``time/...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from qpass.diagnostics import clip_branch_disagreement, mismatch_metrics, update_visibility_groups
+from qpass.graph.qgraph import QGraph
+from qpass.prompts import encode_chat
+from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches, response_logprobs
+from qpass.apps.grpo.jsonl import append_jsonl
+from qpass.rl.loss import LossConfig, correction_weights, group_advantages, grpo_loss
+from qpass.apps.grpo.probes import BF16Shadow, evaluate, layerwise_probe, layerwise_summary, prompt_batch
+from qpass.rl.task import DEFAULT_TEMPLATE, ArithmeticTask, RewardFn, SafeReward, exact_answer_reward, format_prompt, safe_reward
+from qpass.apps.grpo.weights import (
+    MasterOptimizer,
+    byte_visibility,
+    has_learner_qdq,
+    nvfp4_groups,
+    snapshot_rollout_constants,
+    verify_sync,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GRPOConfig", "GRPOResult", "GRPOTrainer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Options of :class:`GRPOTrainer` (all validated; errors name the field).
+
+    Attributes:
+        steps: GRPO steps :meth:`GRPOTrainer.run` takes by default (>= 1).
+        prompts_per_step, group_size: prompts per step and responses per prompt (``G >= 1``; G=1
+            makes every advantage 0).
+        max_new_tokens: response budget ``R`` (prompt + R must fit the rollout's KV cache).
+        temperature, top_p: the sampling distribution (learner scores under the same one).
+        lr, weight_decay, adam_betas, adam_eps: AdamW on the master weights.
+        grad_clip: max global gradient L2 norm (None: no clipping).
+        master_dtype: ``"fp32"`` (FP32 masters, BF16 written back) or ``"param"`` (step the graph
+            parameters in their own dtype).
+        ppo_epochs, minibatches: passes over the step's data and optimizer steps per pass.
+        micro_batch_size: rows per learner forward (None: the rollout graph's batch size).
+        loss: :class:`qpass.rl.loss.LossConfig` (correction none/TIS/MIS, eps_low/high, beta,
+            token_mean/seq_mean, non-finite policy).
+        mask_truncated: drop responses without EOS from the loss (their reward still counts in
+            the group baseline).
+        seed: seeds problem order and sampling.
+        bitexact_every: full bit-exact parity check every N steps (0: only on the last step).
+        on_parity_failure: ``"raise"`` (:class:`qpass.errors.ParityError` after the row is
+            written) or ``"warn"``.
+        shadow: score each batch with the BF16 shadow (clip-branch disagreement, shadow gap).
+        shadow_weights: the shadow's weights: ``"learner"`` (what the learner forward uses, i.e.
+            fake-quantized for QAT recipes) or ``"master"`` (BF16 masters); see
+            :meth:`qpass.apps.grpo.probes.BF16Shadow.sync`.
+        diag_every: layer-wise probe and decoded-value visibility every N steps and on the last
+            step; 0 = never.
+        eval_every: held-out evaluation every N steps, before step 1 and on the last step; 0 = never.
+        eval_prompts: held-out problems per evaluation (<= the task's eval split).
+        eval_max_new_tokens: response budget for evaluation (None: ``max_new_tokens``).
+        eval_temperature: 0 = greedy.
+        ess_cap: truncation cap of ``ess_trunc``.
+        initial_check: structural + bit-exact parity of the freshly built graphs before step 1.
+        max_time_s: stop before a step that would end past this many seconds since :meth:`run`
+            started (estimated from the previous step); None = no limit.
+    """
+
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    master_dtype: Literal["fp32", "param"] = "fp32"
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    micro_batch_size: int | None = None
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    mask_truncated: bool = False
+    seed: int = 0
+    bitexact_every: int = 0
+    on_parity_failure: Literal["raise", "warn"] = "raise"
+    shadow: bool = True
+    shadow_weights: Literal["learner", "master"] = "learner"
+    diag_every: int = 5
+    eval_every: int = 5
+    eval_prompts: int = 32
+    eval_max_new_tokens: int | None = None
+    eval_temperature: float = 0.0
+    ess_cap: float = 2.0
+    initial_check: bool = True
+    max_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "minibatches")
+        for f in positive:
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GRPOConfig.{f} must be an integer >= 1, got {v!r}")
+        for f in ("bitexact_every", "diag_every", "eval_every", "eval_prompts"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"GRPOConfig.{f} must be an integer >= 0, got {v!r}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"GRPOConfig.micro_batch_size must be >= 1 or None, got {self.micro_batch_size}")
+        if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
+            raise ValueError(f"GRPOConfig.eval_max_new_tokens must be >= 1 or None, got {self.eval_max_new_tokens}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"GRPOConfig.temperature must be finite and > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"GRPOConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"GRPOConfig.lr must be finite and > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"GRPOConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"GRPOConfig.grad_clip must be > 0 or None, got {self.grad_clip}")
+        if self.master_dtype not in ("fp32", "param"):
+            raise ValueError(f"GRPOConfig.master_dtype must be 'fp32' or 'param', got {self.master_dtype!r}")
+        if self.shadow_weights not in ("learner", "master"):
+            raise ValueError(f"GRPOConfig.shadow_weights must be 'learner' or 'master', got {self.shadow_weights!r}")
+        if self.on_parity_failure not in ("raise", "warn"):
+            raise ValueError(f"GRPOConfig.on_parity_failure must be 'raise' or 'warn', got {self.on_parity_failure!r}")
+        if not self.eval_temperature >= 0:
+            raise ValueError(f"GRPOConfig.eval_temperature must be >= 0, got {self.eval_temperature}")
+        if not self.ess_cap > 0:
+            raise ValueError(f"GRPOConfig.ess_cap must be > 0, got {self.ess_cap}")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise ValueError(f"GRPOConfig.max_time_s must be > 0 or None, got {self.max_time_s}")
+        if not isinstance(self.loss, LossConfig):
+            raise TypeError(f"GRPOConfig.loss must be a LossConfig, got {type(self.loss).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (the loss config and its correction nested)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GRPOResult:
+    """What :meth:`GRPOTrainer.run` returns.
+
+    Attributes:
+        rows: one metric row per completed step (as written to the JSONL file).
+        initial: checks before step 1 (structural / bit-exact parity, eval, layer-wise probe).
+        final: checks after the last completed step that its row does not already hold.
+        stop_reason: ``"completed"`` or ``"time budget"``.
+        wall_s: seconds inside :meth:`GRPOTrainer.run`.
+    """
+
+    rows: list[dict[str, Any]]
+    initial: dict[str, Any]
+    final: dict[str, Any]
+    stop_reason: str
+    wall_s: float
+
+
+def _seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (same parts -> same seed in every recipe)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+def _num(x: Any) -> float:
+    return float(x) if x is not None else float("nan")
+
+
+class _LossAgg:
+    """Aggregates :func:`grpo_loss` stats over micro-batches and optimizer steps of one GRPO step."""
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.counts = dict.fromkeys(("n_dropped", "n_kl_dropped"), 0.0)
+        self.weighted = dict.fromkeys(("clip_frac", "clip_low_frac", "clip_high_frac"), 0.0)
+        self.mb_losses: list[float] = []
+        self.mb_pg: list[float] = []
+        self.mb_kl: list[float] = []
+        self.ratio_min, self.ratio_max = math.inf, -math.inf
+        self.micro_done = self.micro_skipped = self.minibatch_empty = 0
+        self.opt: list[dict[str, float]] = []
+        self._cur = [0.0, 0.0, 0.0]
+
+    def start_minibatch(self) -> None:
+        self._cur = [0.0, 0.0, 0.0]
+
+    def add(self, stats: dict[str, float]) -> None:
+        n = stats["n_tokens"]
+        self.tokens += n
+        for k in self.counts:
+            self.counts[k] += stats[k]
+        for k in self.weighted:
+            self.weighted[k] += stats[k] * n
+        if math.isfinite(stats["ratio_min"]):
+            self.ratio_min = min(self.ratio_min, stats["ratio_min"])
+            self.ratio_max = max(self.ratio_max, stats["ratio_max"])
+        self._cur[0] += stats["loss"]
+        self._cur[1] += stats["pg_loss"]
+        self._cur[2] += stats.get("kl", 0.0)
+        self.micro_done += 1
+
+    def end_minibatch(self) -> None:
+        self.mb_losses.append(self._cur[0])
+        self.mb_pg.append(self._cur[1])
+        self.mb_kl.append(self._cur[2])
+
+    def result(self) -> dict[str, float]:
+        nan = float("nan")
+        mean = (lambda xs: sum(xs) / len(xs) if xs else nan)  # noqa: E731
+        out = {
+            "loss/loss": mean(self.mb_losses),
+            "loss/pg_loss": mean(self.mb_pg),
+            "loss/kl": mean(self.mb_kl),
+            "loss/tokens_processed": self.tokens,
+            "loss/ratio_min": self.ratio_min if self.tokens else nan,
+            "loss/ratio_max": self.ratio_max if self.tokens else nan,
+            "loss/micro_done": float(self.micro_done),
+            "loss/micro_skipped_zero_adv": float(self.micro_skipped),
+            "loss/minibatch_empty": float(self.minibatch_empty),
+        }
+        for k, v in self.counts.items():
+            out[f"loss/{k}"] = v
+        for k, v in self.weighted.items():
+            out[f"loss/{k}"] = v / self.tokens if self.tokens else nan
+        steps = [o for o in self.opt if not o["skipped"]]
+        out["opt/steps"] = float(len(steps))
+        out["opt/skipped"] = float(len(self.opt) - len(steps))
+        out["opt/grad_norm"] = mean([o["grad_norm"] for o in self.opt])
+        out["opt/grad_norm_max"] = max((o["grad_norm"] for o in self.opt), default=nan)
+        out["opt/n_changed"] = sum(o["n_changed"] for o in self.opt)
+        out["opt/changed_frac"] = mean([o["changed_frac"] for o in steps])
+        return out
+
+
+class GRPOTrainer:
+    """GRPO over a learner graph and a rollout graph (see module docstring).
+
+    Args:
+        learner: learner :class:`QGraph` (kind ``scoring``), e.g. from ``Pipeline.build``; its
+            parameters are trained in place.
+        rollout: rollout :class:`QGraph` (kind ``step``).
+        tokenizer: chat tokenizer (``pad_token_id``, ``eos_token_id``, ``apply_chat_template``).
+        task: :class:`qpass.rl.task.ArithmeticTask` (or any object with ``train_batches(n, seed=)``
+            yielding problems with ``.meta`` and ``eval`` list, formatted by ``format_prompt``).
+        cfg: :class:`GRPOConfig`.
+        reward_fn: plug-in :class:`qpass.rl.task.RewardFn` (default exact answer); wrapped with
+            :func:`qpass.rl.task.safe_reward` unless it already is a :class:`SafeReward`.
+        shadow_base: the unquantized base step graph (``Pipeline.base_step``) for the BF16 shadow;
+            required when ``cfg.shadow``.
+        metrics_path, layerwise_path, eval_path: JSONL files to append to (None: not written).
+        template: user-message template of the task prompts.
+        recipe_name: label for progress output.
+    Raises:
+        ValueError: bad graph kinds, no tokenizer ids, ``cfg.shadow`` without ``shadow_base``,
+            ``minibatches`` larger than the number of micro-batches, or eval problems missing.
+    """
+
+    def __init__(
+        self,
+        learner: QGraph,
+        rollout: QGraph,
+        tokenizer: Any,
+        task: ArithmeticTask,
+        cfg: GRPOConfig,
+        *,
+        reward_fn: RewardFn | None = None,
+        shadow_base: QGraph | None = None,
+        metrics_path: str | Path | None = None,
+        layerwise_path: str | Path | None = None,
+        eval_path: str | Path | None = None,
+        template: str = DEFAULT_TEMPLATE,
+        recipe_name: str = "",
+    ) -> None:
+        from qpass.runtime import TorchLearner, TorchRollout
+
+        self.cfg = cfg
+        self.learner_qg, self.rollout_qg = learner, rollout
+        self.tokenizer = tokenizer
+        self.task = task
+        self.template = template
+        self.recipe_name = recipe_name
+        pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+        if pad is None or eos is None:
+            raise ValueError("the tokenizer needs pad_token_id and eos_token_id")
+        self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        self.le = TorchLearner(learner)
+        self.ro = TorchRollout(rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
+        self.pad = int(pad)
+        self.micro = cfg.micro_batch_size or self.ro.batch_size
+        n_rows = cfg.prompts_per_step * cfg.group_size
+        n_micro = math.ceil(n_rows / self.micro)
+        if cfg.minibatches > n_micro:
+            raise ValueError(f"GRPOConfig.minibatches={cfg.minibatches} exceeds the {n_micro} micro-batches of "
+                             f"{n_rows} rows (micro_batch_size={self.micro})")
+        self.reward = reward_fn if isinstance(reward_fn, SafeReward) else safe_reward(reward_fn or exact_answer_reward)
+        params = [p for p in self.le.parameters() if p.requires_grad]
+        self.opt = MasterOptimizer(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                   master_dtype=torch.float32 if cfg.master_dtype == "fp32" else None)
+        self.ref = None
+        if cfg.loss.beta > 0:
+            ref_qg = learner.clone("learner")
+            for p in ref_qg.gm.parameters():
+                p.requires_grad_(False)
+            self.ref = TorchLearner(ref_qg)
+        self.shadow = None
+        if cfg.shadow:
+            if shadow_base is None:
+                raise ValueError("GRPOConfig.shadow=True needs shadow_base (the unquantized Pipeline.base_step)")
+            self.shadow = BF16Shadow(shadow_base)
+        self.aligned = has_learner_qdq(learner) and bool(nvfp4_groups(rollout))
+        self.snapshot = snapshot_rollout_constants(rollout)
+        self.paths = {k: Path(v) if v is not None else None
+                      for k, v in (("metrics", metrics_path), ("layerwise", layerwise_path), ("eval", eval_path))}
+        self.batches = task.train_batches(cfg.prompts_per_step, seed=_seed(cfg.seed, 1) % (2**31))
+        self._prompt_cache: dict[str, list[int]] = {}
+        self.step_idx = 0
+        self._final_done = False
+        self._eval_set: tuple[list[dict], list[list[int]]] | None = None
+        if cfg.eval_every and cfg.eval_prompts:
+            probs = list(task.eval[: cfg.eval_prompts])
+            if not probs:
+                raise ValueError("GRPOConfig.eval_every > 0 but the task has no eval problems (n_eval=0)")
+            self._eval_set = ([p.meta for p in probs], self._encode(probs))
+        probe_src = list(task.eval[: self.ro.batch_size]) or list(task.train[: self.ro.batch_size])
+        self._probe = prompt_batch(self._encode(probe_src), self.ro.batch_size, pad_token_id=self.pad, device=self.ro._device())
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self.ro._device()
+
+    def _encode(self, problems: Sequence[Any]) -> list[list[int]]:
+        out = []
+        for p in problems:
+            ids = self._prompt_cache.get(p.id)
+            if ids is None:
+                ids = encode_chat(self.tokenizer, [format_prompt(p, self.template)])[0]
+                self._prompt_cache[p.id] = ids
+            out.append(ids)
+        return out
+
+    def _write(self, key: str, row: dict[str, Any]) -> None:
+        path = self.paths[key]
+        if path is not None:
+            append_jsonl(path, row)
+
+    def _sample(self, rows: list[list[int]], step: int) -> tuple[Experience, float]:
+        cfg = self.cfg
+        chunks = []
+        t0 = time.perf_counter()
+        for c, start in enumerate(range(0, len(rows), self.ro.batch_size)):
+            chunks.append(self.ro.generate(rows[start:start + self.ro.batch_size], max_new_tokens=cfg.max_new_tokens,
+                                           temperature=cfg.temperature, top_p=cfg.top_p, seed=_seed(cfg.seed, step, c)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        exp = assemble(chunks, pad_token_id=self.pad, eos_token_ids=self.eos_ids, max_new_tokens=cfg.max_new_tokens)
+        return exp, wall
+
+    @torch.no_grad()
+    def _score(self, module: torch.nn.Module, exp: Experience, micro: list[torch.Tensor], entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lps, ents = [], []
+        for idx in micro:
+            lp, ent = response_logprobs(module, exp.select(idx), temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                        with_entropy=entropy)
+            lps.append(lp)
+            ents.append(ent)
+        return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+    # ------------------------------------------------------------------ checks
+    def initial_checks(self) -> dict[str, Any]:
+        """Parity of the freshly built graphs, baseline eval and layer-wise probe (step 0)."""
+        from qpass.parity.checker import check_structural, check_weights_bitexact
+
+        out: dict[str, Any] = {"step": 0}
+        if self.cfg.initial_check and self.aligned:
+            t0 = time.perf_counter()
+            st = check_structural(self.learner_qg, self.rollout_qg)
+            br = check_weights_bitexact(self.learner_qg, self.rollout_qg)
+            out.update({"parity/structural_ok": st.ok, "parity/structural_problems": st.problems[:5],
+                        "parity/bitexact_ok": br.ok, "parity/bitexact_groups": len(br.groups),
+                        "parity/bitexact_failures": br.failures()[:5], "time/initial_check_s": time.perf_counter() - t0})
+            if not (st.ok and br.ok):
+                self._parity_failure(f"initial parity failed: {st.problems[:3]} {br.failures()[:3]}")
+        if self._eval_set is not None:
+            out.update(self._eval(0))
+        if self.cfg.diag_every:
+            out.update(self._layerwise(0))
+        return out
+
+    def final_checks(self) -> dict[str, Any]:
+        """The last-step checks (bit-exact parity, eval, layer-wise probe) for a run that stopped early."""
+        from qpass.parity.checker import check_weights_bitexact
+
+        out: dict[str, Any] = {"step": self.step_idx}
+        if self.aligned:
+            br = check_weights_bitexact(self.learner_qg, self.rollout_qg)
+            out.update({"parity/bitexact_ok": br.ok, "parity/bitexact_groups": len(br.groups),
+                        "parity/bitexact_failures": br.failures()[:5]})
+        if self._eval_set is not None:
+            out.update(self._eval(self.step_idx))
+        if self.cfg.diag_every:
+            out.update(self._layerwise(self.step_idx))
+        self._final_done = True
+        if self.aligned and not out["parity/bitexact_ok"]:
+            self._parity_failure(f"final bit-exact check failed: {out['parity/bitexact_failures'][:3]}")
+        return out
+
+    def _parity_failure(self, msg: str) -> None:
+        from qpass.errors import ParityError
+
+        if self.cfg.on_parity_failure == "raise":
+            raise ParityError(f"[{self.recipe_name or 'grpo'}] {msg}")
+        log.warning("[%s] %s", self.recipe_name or "grpo", msg)
+
+    def _eval(self, step: int) -> dict[str, Any]:
+        assert self._eval_set is not None
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        metas, prompts = self._eval_set
+        res = evaluate(self.ro, self.tokenizer, metas, prompts, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                       temperature=cfg.eval_temperature, seed=_seed(cfg.seed, 7, step))
+        row = {f"eval/{k}": v for k, v in res.items()}
+        row["time/eval_s"] = time.perf_counter() - t0
+        self._write("eval", {"step": step, **row})
+        return row
+
+    def _layerwise(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        per_site = layerwise_probe(self.learner_qg, self.rollout_qg, *self._probe)
+        summ = layerwise_summary(per_site)
+        self._write("layerwise", {"step": step, "summary": summ,
+                                  "sites": {s: {"rel": m.rel, "fro": m.fro, "max_abs": m.max_abs} for s, m in per_site.items()}})
+        row = {f"layerwise/{k}": v for k, v in summ.items()}
+        row["time/layerwise_s"] = time.perf_counter() - t0
+        return row
+
+    # ------------------------------------------------------------------ update
+    def _update(self, exp: Experience, adv: torch.Tensor, lprox: torch.Tensor, lref: torch.Tensor | None,
+                micro: list[torch.Tensor], step: int) -> tuple[dict[str, float], torch.Tensor]:
+        cfg = self.cfg
+        agg = _LossAgg()
+        last_logp = lprox.clone()
+        gen = torch.Generator().manual_seed(_seed(cfg.seed, step, 3) % (2**63))
+        n_mb = len(micro)
+        mask = exp.response_mask
+        first_dev = None
+        for epoch in range(cfg.ppo_epochs):
+            order = list(range(n_mb)) if epoch == 0 else torch.randperm(n_mb, generator=gen).tolist()
+            sizes = [n_mb // cfg.minibatches + (1 if i < n_mb % cfg.minibatches else 0) for i in range(cfg.minibatches)]
+            start = 0
+            for g, size in enumerate(sizes):
+                group = order[start:start + size]
+                start += size
+                rows = torch.cat([micro[j] for j in group])
+                valid = mask[rows.to(mask.device)]
+                norm = float(valid.sum()) if cfg.loss.agg == "token_mean" else float((valid.sum(-1) > 0).sum())
+                if norm == 0:
+                    agg.minibatch_empty += 1
+                    continue
+                self.opt.zero_grad()
+                agg.start_minibatch()
+                did = False
+                for j in group:
+                    idx = micro[j].to(mask.device)
+                    sub = exp.select(idx)
+                    if not bool(sub.response_mask.any()) or (cfg.loss.beta == 0 and not bool((adv[idx] != 0).any())):
+                        agg.micro_skipped += 1
+                        continue
+                    logp, _ = response_logprobs(self.le, sub, temperature=cfg.temperature, top_p=cfg.top_p)
+                    out = grpo_loss(logp, lprox[idx], sub.logq, adv[idx], sub.response_mask, cfg.loss,
+                                    logp_ref=None if lref is None else lref[idx], normalizer=norm)
+                    out.loss.backward()
+                    did = True
+                    agg.add(out.stats)
+                    last_logp[idx] = logp.detach()
+                    if epoch == 0 and g == 0:
+                        with torch.no_grad():
+                            d = torch.where(sub.response_mask, (logp.detach() - lprox[idx]).abs(), torch.zeros_like(logp))
+                            d = torch.nan_to_num(d, nan=math.inf)
+                            first_dev = max(first_dev or 0.0, float(d.max()))
+                if did:
+                    agg.end_minibatch()
+                    agg.opt.append(self.opt.step(cfg.grad_clip))
+        res = agg.result()
+        res["check/first_minibatch_ratio_maxdev"] = first_dev if first_dev is not None else float("nan")
+        res["check/first_minibatch_ratio_exact"] = (first_dev == 0.0) if first_dev is not None else None
+        return res, last_logp
+
+    # ------------------------------------------------------------------ step
+    def step(self, *, final: bool = False) -> dict[str, Any]:
+        """One GRPO step (see module docstring); returns the metric row (also appended to JSONL).
+
+        Args:
+            final: this is the run's last step (forces the bit-exact check, eval and diagnostics).
+        Raises:
+            ParityError: a parity check failed and ``cfg.on_parity_failure == "raise"``.
+        """
+        from qpass.runtime import sync_weights
+        from qpass.parity.checker import check_weights_bitexact
+
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        s = self.step_idx + 1
+        g = cfg.group_size
+        row: dict[str, Any] = {"step": s}
+
+        # 1. sample
+        problems = next(self.batches)
+        prompts = self._encode(problems)
+        rows = [ids for ids in prompts for _ in range(g)]
+        metas = [p.meta for p in problems for _ in range(g)]
+        exp, t_roll = self._sample(rows, s)
+        n_sampled = int(exp.sampled_mask.sum())
+        row.update({"time/rollout_s": t_roll, "rollout/n_tokens": n_sampled,
+                    "rollout/tokens_per_s": n_sampled / t_roll if t_roll > 0 else float("nan")})
+
+        # 2. rewards and advantages
+        texts = decode_responses(self.tokenizer, exp)
+        before = self.reward.stats()
+        rewards = torch.tensor([self.reward(m, x) for m, x in zip(metas, texts)], dtype=torch.float64)
+        after = self.reward.stats()
+        adv64 = group_advantages(rewards, group_size=g)
+        adv = adv64.float().to(self.device)
+        correct = [exact_answer_reward(m, x) >= 1.0 for m, x in zip(metas, texts)]
+        zero_groups = int((rewards.view(-1, g).amax(-1) == rewards.view(-1, g).amin(-1)).sum())
+        row.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/max": float(rewards.max()), "reward/correct_frac": sum(correct) / len(correct),
+            **{k + "_step": after[k] - before[k] for k in ("reward/n_failures", "reward/n_exceptions", "reward/n_nonfinite",
+                                                             "reward/n_bad_type", "reward/n_empty")},
+            "adv/zero_groups": zero_groups, "adv/zero_group_frac": zero_groups / cfg.prompts_per_step,
+            "adv/abs_mean": float(adv64.abs().mean()),
+        })
+        if cfg.mask_truncated:
+            exp.response_mask = exp.response_mask & exp.finished.unsqueeze(-1)
+        mask = exp.response_mask
+        row.update({
+            "resp/len_mean": float(exp.sampled_mask.sum(-1).float().mean()),
+            "resp/finished_frac": float(exp.finished.float().mean()),
+            "resp/empty_text_frac": sum(1 for x in texts if not x.strip()) / len(texts),
+            "resp/n_loss_tokens": int(mask.sum()),
+            "resp/n_all_masked": int((mask.sum(-1) == 0).sum()),
+        })
+
+        # 3. proximal (and reference) log-probs, before any update
+        t0 = time.perf_counter()
+        micro = micro_batches(exp.n, self.micro)
+        lprox, ent = self._score(self.le, exp, micro, entropy=True)
+        lref = self._score(self.ref, exp, micro, entropy=False)[0] if self.ref is not None else None
+        row["time/prox_s"] = time.perf_counter() - t0
+        n_valid = int(mask.sum())
+        row["entropy/token_mean"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum()) / n_valid if n_valid else float("nan")
+        gap = mismatch_metrics(lprox, exp.logq, mask, ess_cap=cfg.ess_cap)
+        row.update(gap.to_dict("gap/"))
+        with torch.no_grad():
+            c = torch.exp(torch.where(mask, lprox.double() - exp.logq.double(), torch.zeros_like(lprox, dtype=torch.float64)))
+            cbar, affected = correction_weights(c, cfg.loss.correction)
+            row["corr/affected_frac"] = float((affected & mask).sum()) / n_valid if n_valid else float("nan")
+
+        # BF16 shadow of the behaviour policy
+        lshadow = None
+        if self.shadow is not None:
+            t0 = time.perf_counter()
+            self.shadow.sync(self.learner_qg, weights=cfg.shadow_weights)
+            lshadow = self.shadow.score(exp, temperature=cfg.temperature, top_p=cfg.top_p)
+            row.update(mismatch_metrics(lshadow, exp.logq, mask, ess_cap=cfg.ess_cap).to_dict("shadow_gap/"))
+            dis = clip_branch_disagreement(torch.exp(lprox.double() - exp.logq.double()),
+                                           torch.exp(lprox.double() - lshadow.double()), adv, mask,
+                                           cfg.loss.eps_low, cfg.loss.eps_high)
+            row.update(dis.to_dict("clip/"))
+            row["time/shadow_s"] = time.perf_counter() - t0
+
+        # 4. update
+        t0 = time.perf_counter()
+        upd, last_logp = self._update(exp, adv, lprox, lref, micro, s)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        row.update(upd)
+        row["time/update_s"] = time.perf_counter() - t0
+        if lshadow is not None:
+            du = clip_branch_disagreement(torch.exp(last_logp.double() - exp.logq.double()),
+                                          torch.exp(last_logp.double() - lshadow.double()), adv, mask,
+                                          cfg.loss.eps_low, cfg.loss.eps_high)
+            row.update({"clip_upd/frac": du.frac, "clip_upd/frac_pos": du.frac_pos, "clip_upd/frac_neg": du.frac_neg})
+
+        # 5. sync and verify
+        t0 = time.perf_counter()
+        rep = sync_weights(self.learner_qg, self.rollout_qg)
+        row.update({"parity/sync_copied": rep.copied, "parity/sync_requantized": rep.requantized,
+                    "time/sync_s": time.perf_counter() - t0})
+        t0 = time.perf_counter()
+        ver = verify_sync(self.learner_qg, self.rollout_qg, rep.fingerprints)
+        row.update(ver.to_dict("parity/"))
+        failures: list[str] = [] if ver.ok else [f"sync fingerprints: {ver.mismatches[:3]}"]
+        run_full = self.aligned and (final or (cfg.bitexact_every and s % cfg.bitexact_every == 0))
+        if run_full:
+            br = check_weights_bitexact(self.learner_qg, self.rollout_qg)
+            row.update({"parity/bitexact_ok": br.ok, "parity/bitexact_groups": len(br.groups),
+                        "parity/bitexact_failures": br.failures()[:5]})
+            if not br.ok:
+                failures.append(f"bit-exact: {br.failures()[:3]}")
+        row["time/verify_s"] = time.perf_counter() - t0
+
+        # update visibility
+        t0 = time.perf_counter()
+        snap = snapshot_rollout_constants(self.rollout_qg)
+        row.update({f"vis/{k}": v for k, v in byte_visibility(self.snapshot, snap).items()})
+        diag = cfg.diag_every and (final or s % cfg.diag_every == 0)
+        if diag and snap.nvfp4:
+            row["vis/value_frac"] = update_visibility_groups(self.snapshot.nvfp4_tensors(), snap.nvfp4_tensors()).total.value_frac
+        self.snapshot = snap
+        row["time/visibility_s"] = time.perf_counter() - t0
+
+        # 6. periodic diagnostics
+        if diag:
+            row.update(self._layerwise(s))
+        if self._eval_set is not None and (final or s % cfg.eval_every == 0):
+            row.update(self._eval(s))
+        self.step_idx = s
+        self._final_done = bool(final)
+        row["time/step_s"] = time.perf_counter() - t_step
+        self._write("metrics", row)
+        if failures:
+            self._parity_failure(f"step {s}: " + "; ".join(failures))
+        return row
+
+    # ------------------------------------------------------------------ run
+    def run(self, steps: int | None = None, *, progress: bool = False,
+            on_step: Callable[[dict[str, Any]], None] | None = None) -> GRPOResult:
+        """Initial checks, then ``steps`` (default ``cfg.steps``) GRPO steps; stops early on the time budget.
+
+        Args:
+            steps: number of steps (>= 1).
+            progress: show a tqdm progress bar (stderr).
+            on_step: called with each row after it is written.
+        Raises:
+            ValueError: ``steps < 1``. ParityError: see :meth:`step`.
+        """
+        from tqdm.auto import tqdm
+
+        n = self.cfg.steps if steps is None else int(steps)
+        if n < 1:
+            raise ValueError(f"steps must be >= 1, got {n}")
+        t_start = time.perf_counter()
+        budget = self.cfg.max_time_s
+        initial = self.initial_checks()
+        rows: list[dict[str, Any]] = []
+        stop = "completed"
+        self._final_done = False
+        bar = tqdm(total=n, disable=not progress, desc=f"grpo {self.recipe_name}".strip(), unit="step", dynamic_ncols=True)
+        try:
+            for i in range(n):
+                elapsed = time.perf_counter() - t_start
+                prev = rows[-1]["time/step_s"] if rows else None
+                if budget is not None and prev is not None and elapsed + prev > budget:
+                    stop = "time budget"
+                    break
+                # the step after which the budget would be spent is the final one (final checks in its row)
+                last = i == n - 1 or (budget is not None and prev is not None and elapsed + 2 * prev > budget)
+                row = self.step(final=last)
+                rows.append(row)
+                bar.update(1)
+                bar.set_postfix({"reward": f"{row['reward/mean']:.3f}", "G_abs": f"{_num(row.get('gap/token/g_abs')):.4f}"})
+                if on_step is not None:
+                    on_step(row)
+                if last and i < n - 1:
+                    stop = "time budget"
+                    break
+        finally:
+            bar.close()
+        final = self.final_checks() if rows and not self._final_done else {}
+        return GRPOResult(rows, initial, final, stop, time.perf_counter() - t_start)

@@ -1,0 +1,170 @@
+"""Overlay plots of GRPO runs (matplotlib, Agg backend): one panel per metric, one line per run.
+
+A run directory (written by ``qpass grpo``) holds ``metrics.jsonl`` (one row per step),
+``eval.jsonl`` (held-out accuracy, including step 0) and ``config.json`` (its ``recipe`` names the
+line). Default panels: the SPEC §4 gap ``G_abs`` of ``(p_prox, q)`` (token mean), ``max|d|``, the
+mean training reward and the held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qpass.atomic import write_atomic
+from qpass.apps.grpo.jsonl import read_jsonl
+
+__all__ = ["DEFAULT_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One subplot: ``key`` of a metrics row (or ``eval/...`` from eval.jsonl), title, log y-axis."""
+
+    key: str
+    title: str
+    log_y: bool = False
+
+
+DEFAULT_PANELS: tuple[Panel, ...] = (
+    Panel("gap/token/g_abs", "G_abs = mean |log p_prox - log q| (token mean)", log_y=True),
+    Panel("gap/max_abs", "max |log p_prox - log q|", log_y=True),
+    Panel("reward/mean", "training reward (mean)"),
+    Panel("eval/accuracy", "held-out accuracy"),
+)
+
+
+@dataclasses.dataclass
+class RunData:
+    """A run's label and rows."""
+
+    label: str
+    rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """``(steps, values)`` of ``key`` (eval keys from eval.jsonl); missing / null values skipped."""
+        src = self.eval_rows if key.startswith("eval/") and self.eval_rows else self.rows
+        xs, ys = [], []
+        for r in src:
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                xs.append(int(r["step"]))
+                ys.append(float(v))
+        return xs, ys
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run directory.
+
+    Raises:
+        FileNotFoundError: no ``metrics.jsonl`` in ``run_dir`` (the message names the directory).
+    """
+    d = Path(run_dir)
+    m = d / "metrics.jsonl"
+    if not m.is_file():
+        raise FileNotFoundError(f"{d} is not a GRPO run directory (no metrics.jsonl)")
+    label = d.name
+    cfg = d / "config.json"
+    if cfg.is_file():
+        try:
+            label = json.loads(cfg.read_text()).get("recipe", label) or label
+        except json.JSONDecodeError:
+            pass
+    ev = d / "eval.jsonl"
+    return RunData(label, read_jsonl(m), read_jsonl(ev) if ev.is_file() else [])
+
+
+def _smooth(ys: list[float], k: int) -> list[float]:
+    if k <= 1:
+        return ys
+    out, acc = [], []
+    for y in ys:
+        acc.append(y)
+        if len(acc) > k:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    *,
+    panels: Sequence[Panel] | Sequence[str] | None = None,
+    smooth: int = 1,
+    title: str | None = None,
+) -> Path:
+    """Overlay the runs in ``run_dirs`` on one figure and save it atomically to ``out`` (PNG).
+
+    Args:
+        run_dirs: run directories (each with metrics.jsonl).
+        out: output image path (extension picks the format).
+        panels: :class:`Panel` s or metric keys (default :data:`DEFAULT_PANELS`).
+        smooth: trailing moving-average window over steps (1 = raw).
+        title: figure title.
+    Returns:
+        ``out`` as a Path.
+    Raises:
+        ValueError: no run directories, or ``smooth < 1``.
+        FileNotFoundError: see :func:`load_run`.
+    """
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run directory")
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1, got {smooth}")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    ps = [p if isinstance(p, Panel) else Panel(p, p) for p in (panels or DEFAULT_PANELS)]
+    runs = [load_run(d) for d in run_dirs]
+    ncol = 2 if len(ps) > 1 else 1
+    nrow = math.ceil(len(ps) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 3.6 * nrow), squeeze=False)
+    from matplotlib.ticker import MaxNLocator
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    for ax, panel in zip(axes.flat, ps):
+        drawn = False
+        for k, run in enumerate(runs):
+            xs, ys = run.series(panel.key)
+            if not xs:
+                continue
+            if panel.log_y and any(y <= 0 for y in ys):
+                xs, ys = zip(*[(x, y) for x, y in zip(xs, ys) if y > 0]) if any(y > 0 for y in ys) else ([], [])
+                xs, ys = list(xs), list(ys)
+                if not xs:
+                    continue
+            ax.plot(xs, _smooth(ys, smooth), marker="o" if len(xs) <= 30 else None, markersize=3, label=run.label,
+                    color=colors[k % len(colors)])  # one color per run in every panel
+            drawn = True
+        ax.set_title(panel.title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if panel.log_y and drawn:
+            ax.set_yscale("log")
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"no data for {panel.key}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(ps):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, dpi=110, format=out.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    write_atomic(out, buf.getvalue())
+    return out

@@ -1,0 +1,5 @@
+import sys
+
+from qpass.apps.study.run import main
+
+sys.exit(main())

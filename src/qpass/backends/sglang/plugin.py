@@ -1,0 +1,214 @@
+"""The SGLang classes (built on first use, so importing qpass never needs SGLang).
+
+* ``QpassNvfp4Config(QuantizationConfig)``: name ``qpass_nvfp4``; ``from_config`` parses the
+  checkpoint's quantization config (:class:`.config.QpassSGLangOptions`); ``get_quant_method``
+  returns :class:`QpassNvfp4LinearMethod` for quantized linear layers and SGLang's
+  ``UnquantizedLinearMethod`` for excluded ones (lm_head, embeddings, routers).
+* ``QpassNvfp4LinearMethod(LinearMethodBase)``:
+
+  - ``create_weights``: the ``modelopt_fp4`` parameters of :mod:`.contract` (same names, dtypes,
+    shapes and SGLang parameter classes), so ModelOpt and qpass checkpoints load through SGLang's
+    own loaders (including TP sharding of the packed tensors and per-shard global scales);
+  - ``process_weights_after_loading``: checks that the fused shards' ``weight_scale_2`` are
+    bit-identical (qpass shares one global scale per group) and binds the decode global
+    ``layer.qpass_s_dec``; it never repacks, so it is idempotent and
+    ``restore_weights_before_loading`` has nothing to undo (RL weight-update sessions just reload
+    the checkpoint-format parameters in place);
+  - ``apply``: ``torch.ops.qpass.nvfp4_linear`` — qpass's own op (reference or Triton kernel), so
+    the rollout math is qpass's: W4A16, or W4A4 with a dynamic per-tensor / per-token activation
+    global scale and optional residual compensation. On a row-parallel layer with TP > 1 the
+    activation is K-sharded: its amax is all-reduced with MAX over the TP group first (SPEC §3
+    rule 1), so every rank quantizes its slice exactly like the unsharded activation; RAC's
+    channel ranking would need the whole K and is refused there.
+
+Source: prior-art/backends.md §1 and Appendix A (sglang 0.5.23 plugin API).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from qpass.errors import QuantizationError
+
+from qpass.backends.sglang.config import METHOD_NAME, QpassSGLangOptions
+from qpass.backends.sglang.contract import NVFP4_BLOCK, linear_param_specs, make_tensor
+
+
+def sglang_available() -> bool:
+    """True if ``sglang`` (its quantization base classes) can be imported."""
+    try:
+        import sglang.srt.layers.quantization.base_config  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object | None, site: str) -> torch.Tensor:
+    """``DQ(Q_A(x))`` in bf16 with the global amax all-reduced (MAX) over ``process_group``.
+
+    For a K-sharded activation this equals the slice of the unsharded fake-quant, so
+    ``x_hat @ W_hat^T`` (the W4A16 path of ``nvfp4_linear``) on each rank, summed by the row-parallel
+    all-reduce, is the W4A4 product up to float32 summation order. Exact for bf16 activations (the
+    dtype SGLang runs NVFP4 models in); for fp16 ``x_hat`` is rounded once more to fp16.
+    """
+    from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
+
+    x2 = x.reshape(-1, x.shape[-1])
+    q = nvfp4_quantize(x2, spec=nvfp4_act_spec(act == "nvfp4_per_token"), process_group=process_group, name="activation", site=site)
+    return nvfp4_dequantize(q, torch.bfloat16).reshape(x.shape).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def plugin_classes() -> tuple[type, type]:
+    """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing SGLang's bases.
+
+    Raises:
+        ImportError: SGLang is not installed.
+    """
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.parameter import ModelWeightParameter, PerTensorScaleParameter
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from qpass import ops as _ops  # noqa: F401 - registers torch.ops.qpass.nvfp4_linear
+
+    param_classes = {"ModelWeightParameter": ModelWeightParameter, "PerTensorScaleParameter": PerTensorScaleParameter}
+
+    class QpassNvfp4LinearMethod(LinearMethodBase):
+        """qpass NVFP4 linear (see module docstring)."""
+
+        def __init__(self, quant_config: "QpassNvfp4Config", prefix: str = "") -> None:
+            self.quant_config = quant_config
+            self.prefix = prefix
+            self.act = quant_config.options.act
+            self.rac = quant_config.options.rac_for(prefix, quant_config.packed_modules_mapping)
+
+        def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                           input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+            weight_loader = extra_weight_attrs.get("weight_loader")
+            for p in linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix):
+                cls = param_classes[p.kind]
+                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": weight_loader}
+                if p.kind == "ModelWeightParameter":
+                    kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
+                param = cls(**kw)
+                if p.scalar_to_array:
+                    param.needs_scalar_to_array = True
+                layer.register_parameter(p.name, param)
+            layer.logical_widths = list(output_partition_sizes)
+            layer.params_dtype = params_dtype
+            layer.quant_config = self.quant_config
+            layer.input_size_per_partition = input_size_per_partition
+            layer.output_size_per_partition = sum(output_partition_sizes)
+            layer.qpass_site = self.prefix
+            layer.qpass_k_sharded = input_size_per_partition != input_size
+            if layer.qpass_k_sharded and self.rac is not None:
+                raise NotImplementedError(
+                    f"{METHOD_NAME}: layer {self.prefix} is row-parallel (K split {input_size} -> {input_size_per_partition}) "
+                    "and has residual compensation, whose channel ranking needs the whole K; use TP=1 for it or drop RAC there"
+                )
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            gs = layer.weight_scale_2.data.detach().float().reshape(-1)
+            bits = gs.view(torch.int32)
+            if not bool((bits == bits[0]).all()):
+                raise QuantizationError(
+                    f"{METHOD_NAME}: layer {self.prefix} has different weight_scale_2 per fused shard {gs.tolist()}; "
+                    "qpass checkpoints share one global scale per fused group (SPEC §3 rule 1)"
+                )
+            if not bool(torch.isfinite(gs).all()) or float(gs[0]) <= 0:
+                raise QuantizationError(f"{METHOD_NAME}: layer {self.prefix} has an invalid weight_scale_2 {gs.tolist()}")
+            sb = layer.weight_scale.data.view(torch.uint8)
+            if bool(((sb & 0x7F) == 0x7F).any()):
+                raise QuantizationError(f"{METHOD_NAME}: layer {self.prefix} has NaN E4M3 block-scale bytes")
+            s_dec = gs[0].reshape(()).clone()
+            cur = getattr(layer, "qpass_s_dec", None)
+            if isinstance(cur, torch.Tensor) and cur.shape == s_dec.shape and cur.device == s_dec.device:
+                cur.copy_(s_dec)  # keep the tensor's identity (CUDA graphs captured against it)
+            else:
+                if "qpass_s_dec" in layer._buffers:
+                    del layer._buffers["qpass_s_dec"]
+                layer.register_buffer("qpass_s_dec", s_dec, persistent=False)
+
+        def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
+            """Nothing to undo: parameters keep the checkpoint layout (no repacking)."""
+
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            act = self.act
+            if act != "none" and getattr(layer, "qpass_k_sharded", False):
+                x = activation_for_row_parallel(x, act, _tp_group(layer), self.prefix)
+                act = "none"
+            rac = self.rac
+            return torch.ops.qpass.nvfp4_linear(
+                x, layer.weight, layer.weight_scale, layer.qpass_s_dec, bias, self.prefix, act,
+                float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked", rac.selection if rac else "batch", None,
+            )
+
+    class QpassNvfp4Config(QuantizationConfig):
+        """``--quantization qpass_nvfp4`` (or ``quant_method: qpass_nvfp4`` in a checkpoint)."""
+
+        def __init__(self, options: QpassSGLangOptions | None = None) -> None:
+            super().__init__()
+            self.options = options or QpassSGLangOptions()
+            if getattr(self, "packed_modules_mapping", None) is None:
+                self.packed_modules_mapping = {}  # SGLang's is_layer_skipped crashes on None
+
+        def __repr__(self) -> str:
+            return f"QpassNvfp4Config({self.options})"
+
+        @classmethod
+        def get_name(cls) -> str:
+            return METHOD_NAME
+
+        @classmethod
+        def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+            return [torch.bfloat16, torch.float16]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 80  # the reference op runs anywhere; qpass's Triton kernels target sm_90
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return ["hf_quant_config.json"]
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> "QpassNvfp4Config":
+            return cls(QpassSGLangOptions.from_config(config))
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Any) -> str | None:
+            q = (hf_quant_cfg or {}).get("quantization", hf_quant_cfg or {})
+            producer = ((hf_quant_cfg or {}).get("producer") or {}).get("name")
+            if q.get("quant_method") == METHOD_NAME or (producer == "qpass" and user_quant in (None, METHOD_NAME)):
+                return METHOD_NAME
+            return None
+
+        def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
+            if isinstance(layer, LinearBase):
+                if self.options.is_excluded(prefix, self.packed_modules_mapping):
+                    return UnquantizedLinearMethod()
+                return QpassNvfp4LinearMethod(self, prefix)
+            return None
+
+        def get_scaled_act_names(self) -> list[str]:
+            return []
+
+    return QpassNvfp4Config, QpassNvfp4LinearMethod
+
+
+def _tp_group(layer: torch.nn.Module) -> object | None:
+    """The torch.distributed group of the layer's tensor-parallel ranks (None when TP = 1)."""
+    for attr in ("tp_group", "tp_process_group"):
+        g = getattr(layer, attr, None)
+        if g is not None:
+            return getattr(g, "device_group", g)
+    from sglang.srt.distributed import get_tp_group
+
+    return get_tp_group().device_group
+
+
+__all__ = ["NVFP4_BLOCK", "activation_for_row_parallel", "plugin_classes", "sglang_available"]

@@ -1,0 +1,715 @@
+"""``qpass bench``: speed of the Triton kernels as ratios against baselines measured in the same run.
+
+Every figure is a ratio against something timed in the same process on the same device:
+
+* **BF16 cuBLAS** (``torch.nn.functional.linear`` on bf16 operands),
+* **FP8** ``torch._scaled_mm`` (per-tensor scales, operands pre-quantized, fast accumulation: the
+  fastest native Hopper GEMM; its activation quantization is *not* timed),
+* the **plain-torch reference chain** (``qpass.quant.linear`` / ``qpass.quant.rac``, the semantics
+  the kernels implement),
+* the **roofline**: bytes the operation must move / measured device-copy bandwidth, and FLOPs /
+  measured BF16 (or FP8) ``torch`` matmul rate, both measured at the start of the run.
+
+Timing: ``triton.testing.do_bench`` medians (it flushes L2 before every call) over CUDA-graph replays
+(so Python launch overhead does not count; the rollout engines run decode under CUDA graphs too),
+with inputs rotated over copies whose total size exceeds twice the L2 (60 MB on H200). A wall-clock
+budget (``--budget-s``) bounds the run: measurements are ordered by priority and the rest is
+recorded as skipped.
+
+``--quick`` runs on CPU under the Triton interpreter: tiny shapes, correctness only, no timings.
+
+Usage: ``python -m qpass.backends.triton.bench [--quick] [--out PATH.json] [--budget-s S]`` (the markdown goes to
+``PATH.md`` beside the JSON and to stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from qpass.atomic import write_atomic
+
+L2_BYTES = 60 * 2**20  # H200
+SMOKE = {"on": False}  # --smoke: run the full-benchmark code path on CPU at toy sizes (no timings)
+ROTATE_BYTES = 2 * L2_BYTES
+
+LLAMA8B_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+MOE_SHAPES = [(1536, 2048), (2048, 768)]
+SMOLLM_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # q/o, k/v, gate/up, down
+DECODE_M = [1, 8, 16, 32, 64, 128]
+PREFILL_M = [1024, 4096, 16384]
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclasses.dataclass
+class Row:
+    """One measurement (times in microseconds; ratios > 1 mean the Triton kernel is faster)."""
+
+    section: str
+    name: str
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    time_us: float | None = None
+    mode: str = ""  # graph / eager / skipped / failed
+    vs_bf16: float | None = None
+    vs_fp8: float | None = None
+    vs_torch: float | None = None
+    roofline_frac: float | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Results:
+    meta: dict = dataclasses.field(default_factory=dict)
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    targets: list[dict] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        return row
+
+    def find(self, section: str, name: str, m: int = 0, n: int = 0, k: int = 0) -> Row | None:
+        for r in self.rows:
+            if (r.section, r.name, r.m, r.n, r.k) == (section, name, m, n, k) and r.time_us:
+                return r
+        return None
+
+    def to_json(self) -> dict:
+        return {"meta": self.meta, "targets": self.targets, "rows": [dataclasses.asdict(r) for r in self.rows],
+                "errors": self.errors}
+
+
+def _fmt(v, spec=".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def to_markdown(res: Results) -> str:
+    """Targets table first, then one table per section."""
+    out = ["# qpass kernel benchmark", ""]
+    meta = res.meta
+    out.append(f"device: {meta.get('device', '?')}; torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}; "
+               f"mode: {meta.get('mode', '?')}")
+    cal = meta.get("calibration", {})
+    if cal:
+        out.append(f"calibration (this run): copy bandwidth {_fmt(cal.get('copy_GBps'), '.0f')} GB/s (read+write), "
+                   f"BF16 matmul {_fmt(cal.get('bf16_TFLOPs'), '.0f')} TFLOP/s, FP8 matmul {_fmt(cal.get('fp8_TFLOPs'), '.0f')} TFLOP/s")
+    out.append("")
+    if res.targets:
+        out += ["## Targets", "", "| target | goal | measured | met |", "| --- | --- | --- | --- |"]
+        for t in res.targets:
+            met = {True: "yes", False: "NO", None: "n/a"}[t.get("met")]
+            out.append(f"| {t['name']} | {t['goal']} | {t['measured']} | {met} |")
+        out.append("")
+    sections: dict[str, list[Row]] = {}
+    for r in res.rows:
+        sections.setdefault(r.section, []).append(r)
+    for sec, rows in sections.items():
+        out += [f"## {sec}", "",
+                "| kernel | M | N | K | time us | vs BF16 | vs FP8 | vs torch chain | of roofline | mode | notes |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            notes = ", ".join(f"{k}={_fmt(v, '.3g') if isinstance(v, float) else v}" for k, v in r.extra.items())
+            out.append(f"| {r.name} | {r.m or '-'} | {r.n or '-'} | {r.k or '-'} | {_fmt(r.time_us, '.1f')} | "
+                       f"{_fmt(r.vs_bf16)} | {_fmt(r.vs_fp8)} | {_fmt(r.vs_torch)} | {_fmt(r.roofline_frac)} | {r.mode} | {notes} |")
+        out.append("")
+    if res.errors:
+        out += ["## Errors", ""] + [f"- {e}" for e in res.errors] + [""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+class Budget:
+    """Wall-clock budget: ``ok()`` is False once the deadline has passed."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def ok(self) -> bool:
+        return time.monotonic() < self.deadline
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _rotation(set_bytes: int) -> int:
+    return int(min(64, max(2, math.ceil(ROTATE_BYTES / max(1, set_bytes)))))
+
+
+def time_fn(make_set: Callable[[int], tuple], fn: Callable, set_bytes: int, *, graphs: bool = True,
+            warmup_ms: float = 3.0, rep_ms: float = 15.0) -> tuple[float, str]:
+    """Median time (us) of ``fn(*make_set(i))`` with inputs rotated over enough copies to exceed 2x L2.
+
+    The first call (compilation, autotuning) is not timed. With ``graphs`` every rotation slot is
+    captured into its own CUDA graph and replayed; if capture fails the call is timed eagerly.
+    """
+    import triton.testing
+
+    if SMOKE["on"]:  # CPU smoke run of the benchmark logic: one call, wall clock
+        s = make_set(0)
+        t = time.perf_counter()
+        fn(*s)
+        return (time.perf_counter() - t) * 1e6, "smoke"
+    n = _rotation(set_bytes)
+    sets = [make_set(i) for i in range(n)]
+    fn(*sets[0])
+    torch.cuda.synchronize()
+    mode = "eager"
+    calls: list[Callable] = [lambda s=s: fn(*s) for s in sets]
+    if graphs:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for s in sets[:2]:
+                    fn(*s)
+            torch.cuda.current_stream().wait_stream(side)
+            gs = []
+            for s in sets:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn(*s)
+                gs.append(g)
+            calls = [g.replay for g in gs]
+            mode = "graph"
+        except Exception as exc:  # noqa: BLE001 - fall back to eager timing, say so
+            mode = f"eager ({type(exc).__name__})"
+            torch.cuda.synchronize()
+    state = {"i": 0}
+
+    def call():
+        calls[state["i"] % n]()
+        state["i"] += 1
+
+    ms = triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    torch.cuda.synchronize()
+    return ms * 1e3, mode
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def _acts(m: int, k: int, dev, dtype=torch.bfloat16, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Activations with log-normal channel scales and a few x20..x60 outlier channels."""
+    scale = torch.exp(torch.randn(k, device=dev, generator=gen) * 0.7)
+    x = torch.randn(m, k, device=dev, generator=gen) * scale
+    ch = torch.randperm(k, device=dev, generator=gen)[:4]
+    x[:, ch] *= 40.0
+    return x.to(dtype)
+
+
+@dataclasses.dataclass
+class GemmInputs:
+    """One shape's operands in every format (one copy; rotation slots clone them)."""
+
+    x: torch.Tensor
+    w_bf16: torch.Tensor
+    w4: object  # NVFP4Tensor
+    w8: object  # FP8Tensor per tensor
+    x8: object  # FP8Tensor per tensor
+    w8b: object  # FP8Tensor 128x128
+
+
+def _gemm_inputs(m: int, n: int, k: int, dev) -> GemmInputs:
+    from qpass.quant.fp8 import fp8_quantize
+    from qpass.quant.nvfp4 import nvfp4_quantize
+
+    w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+    x = _acts(m, k, dev)
+    return GemmInputs(x=x, w_bf16=w, w4=nvfp4_quantize(w), w8=fp8_quantize(w, "per_tensor"),
+                      x8=fp8_quantize(x, "per_tensor"), w8b=fp8_quantize(w, "block_128x128"))
+
+
+# ---------------------------------------------------------------------------------------------
+# full GPU benchmark
+
+
+def calibrate(res: Results, budget: Budget) -> dict:
+    """Copy bandwidth and BF16/FP8 matmul rates of this device, measured now."""
+    import triton.testing
+
+    if SMOKE["on"]:
+        return {"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0, "fp8_TFLOPs": 1300.0, "smoke": True}
+    dev = torch.device("cuda")
+    cal = {}
+    src = torch.empty(2**29, dtype=torch.bfloat16, device=dev).normal_()  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    cal["copy_GBps"] = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+    src = dst = None
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=10, rep=60, return_mode="median")
+    cal["bf16_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device=dev)
+        ms = triton.testing.do_bench(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True),
+            warmup=10, rep=60, return_mode="median")
+        cal["fp8_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    except Exception as exc:  # noqa: BLE001
+        res.errors.append(f"calibration fp8 _scaled_mm: {type(exc).__name__}: {exc}")
+    return cal
+
+
+def _roof_us(bytes_: float, flops: float, cal: dict, fp8: bool = False) -> float:
+    rate = cal.get("fp8_TFLOPs") if fp8 else cal.get("bf16_TFLOPs")
+    t_mem = bytes_ / (cal["copy_GBps"] * 1e9)
+    t_mma = flops / ((rate or cal["bf16_TFLOPs"]) * 1e12)
+    return max(t_mem, t_mma) * 1e6
+
+
+def bench_act_quant(res: Results, cal: dict, budget: Budget, m: int = 16384, k: int = 4096) -> None:
+    """NVFP4 activation quantization with and without RAC at ``m x k`` bf16, vs copy bandwidth."""
+    from qpass.backends.triton import no_sync_checks, nvfp4_quantize_triton, rac_run
+    from qpass.formats.spec import NVFP4_ACT
+    from qpass.quant.nvfp4 import nvfp4_quantize
+    from qpass.quant.rac import RACConfig, ceil16, rac_num_channels, rac_reference
+
+    sec = f"activation quantization ({m}x{k} bf16)"
+    dev = _dev()
+    x0 = _acts(m, k, dev)
+    xb = m * k * 2
+    qa_b = m * k // 2 + m * k // 16
+
+    def mk(i):
+        return (x0.clone(),) if i else (x0,)
+
+    def measure(name, fn, essential, *, graphs=True, extra=None):
+        if not budget.ok():
+            res.add(Row(sec, name, m, 0, k, mode="skipped (budget)"))
+            return None
+        try:
+            with no_sync_checks():
+                t, mode = time_fn(mk, fn, xb, graphs=graphs)
+        except Exception as exc:  # noqa: BLE001
+            res.errors.append(f"{sec} / {name}: {type(exc).__name__}: {exc}")
+            res.add(Row(sec, name, m, 0, k, mode="failed"))
+            return None
+        bw = essential / (t * 1e-6) / 1e9
+        row = res.add(Row(sec, name, m, 0, k, time_us=t, mode=mode,
+                          roofline_frac=essential / (cal["copy_GBps"] * 1e9) * 1e6 / t,
+                          extra={"GBps": bw, **(extra or {})}))
+        return row
+
+    copy_dst = torch.empty_like(x0)
+    measure("device copy (same bytes)", lambda x: copy_dst.copy_(x), 2 * xb)
+    plain = measure("nvfp4 act quant (per-tensor)", lambda x: nvfp4_quantize_triton(x, spec=NVFP4_ACT, check=False), xb + qa_b)
+    measure("nvfp4 act quant (per-token)", lambda x: nvfp4_quantize_triton(x, per_token=True, check=False), xb + qa_b)
+    kk = rac_num_channels(k, 0.5)
+    qr_g = m * ceil16(kk) // 2 + m * ceil16(kk) // 16
+    variants = [
+        ("gathered", "batch", NVFP4_ACT, qr_g), ("masked", "batch", NVFP4_ACT, qa_b),
+        ("gathered", "static", NVFP4_ACT, qr_g), ("gathered", "token", NVFP4_ACT, qr_g),
+    ]
+    static = torch.randperm(k, device=dev)[:kk]
+    rac_rows = {}
+    for mode_, sel, spec, qr_b in variants:
+        cfg = RACConfig(0.5, mode_, sel)
+        name = f"act quant + RAC 50% {mode_}/{sel}"
+        row = measure(name, lambda x, cfg=cfg, spec=spec: rac_run(x, cfg, spec, static_channels=static, outputs="bytes"),
+                      xb + qa_b + qr_b)
+        if row is not None and plain is not None:
+            row.extra["rac_overhead"] = row.time_us / plain.time_us
+        rac_rows[(mode_, sel)] = row
+    # torch reference chains (eager: they sync on their input checks)
+    for name, fn, ours in (
+        ("torch chain: nvfp4_quantize", lambda x: nvfp4_quantize(x, spec=NVFP4_ACT), plain),
+        ("torch chain: rac_reference gathered/batch", lambda x: rac_reference(x, RACConfig(0.5, "gathered", "batch"), NVFP4_ACT),
+         rac_rows.get(("gathered", "batch"))),
+        ("torch chain: rac_reference masked/batch", lambda x: rac_reference(x, RACConfig(0.5, "masked", "batch"), NVFP4_ACT),
+         rac_rows.get(("masked", "batch"))),
+    ):
+        if not budget.ok():
+            res.add(Row(sec, name, m, 0, k, mode="skipped (budget)"))
+            continue
+        try:
+            t, mode = time_fn(mk, fn, xb, graphs=False, warmup_ms=1, rep_ms=30)
+            res.add(Row(sec, name, m, 0, k, time_us=t, mode=mode))
+            if ours is not None:
+                ours.vs_torch = t / ours.time_us
+        except Exception as exc:  # noqa: BLE001
+            res.errors.append(f"{sec} / {name}: {type(exc).__name__}: {exc}")
+
+
+def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: int, n: int, k: int,
+                     contenders: tuple[str, ...]) -> None:
+    """Time the requested contenders at one (M, N, K) and fill in ratios against bf16/fp8/torch."""
+    from qpass.backends.triton import fp8_linear_triton, no_sync_checks, w4a4_linear_triton, w4a16_linear_triton
+    from qpass.formats.spec import FP8_ACT_BLOCK, NVFP4_ACT
+    from qpass.quant.linear import w4a4_linear_reference
+    from qpass.quant.nvfp4 import nvfp4_dequantize
+    from qpass.quant.rac import RACConfig
+
+    dev = _dev()
+    if not budget.ok():
+        for c in contenders:
+            res.add(Row(section, c, m, n, k, mode="skipped (budget)"))
+        return
+    inp = _gemm_inputs(m, n, k, dev)
+    flops = 2.0 * m * n * k
+    out_b = 2 * m * n
+    x_b = 2 * m * k
+    w4_b = n * k // 2 + n * k // 16
+    rac = RACConfig(0.5, "gathered", "batch")
+    w4, w8, x8, w8b = inp.w4, inp.w8, inp.x8, inp.w8b
+    w_hat = None
+
+    def clone_w4(i):
+        return (w4.codes.clone(), w4.scales.clone(), w4.s_dec.clone()) if i else (w4.codes, w4.scales, w4.s_dec)
+
+    def on_w4(linear, **kw):
+        """A contender ``linear(x, codes, scales, s_dec, **kw)`` on the NVFP4 weight (rotated inputs)."""
+        return (lambda i: (inp.x.clone() if i else inp.x, *clone_w4(i)), lambda x, c, s, d: linear(x, c, s, d, **kw),
+                w4_b + x_b, True, w4_b + x_b + out_b)
+
+    table: dict[str, tuple[Callable, Callable, int, bool, float]] = {
+        "bf16 cuBLAS": (lambda i: (inp.x.clone() if i else inp.x, inp.w_bf16.clone() if i else inp.w_bf16),
+                        lambda x, w: torch.nn.functional.linear(x, w), 2 * n * k + x_b, True, 2 * n * k + x_b + out_b),
+        "fp8 _scaled_mm (per-tensor)": (
+            lambda i: (x8.data, w8.data.clone() if i else w8.data, x8.scale, w8.scale),
+            lambda xd, wd, sa, sb: torch._scaled_mm(xd, wd.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=True),
+            n * k + m * k, True, n * k + m * k + out_b),
+        "w4a16 triton": on_w4(w4a16_linear_triton),
+        "w4a4 triton": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT),
+        "w4a16 triton [lut decode]": on_w4(w4a16_linear_triton, decode="lut"),
+        "w4a4 triton [lut decode]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, decode="lut"),
+        "w4a4+RAC50 gathered/batch triton": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, rac=rac),
+        # the same kernels with the whole K sum in the tensor-core accumulator (accumulation="mma"):
+        # the cost of the default two-level accumulation, measured in the same run
+        "w4a16 triton [mma accum]": on_w4(w4a16_linear_triton, accumulation="mma"),
+        "w4a4 triton [mma accum]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, accumulation="mma"),
+        "w4a4+RAC50 gathered/batch triton [mma accum]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, rac=rac,
+                                                              accumulation="mma"),
+        "fp8 block W8A8 (act quant + GEMM)": (
+            lambda i: (inp.x.clone() if i else inp.x, w8b.data.clone() if i else w8b.data, w8b.scale),
+            lambda x, wd, ws: fp8_linear_triton(x, wd, ws, None, act_spec=FP8_ACT_BLOCK, w_spec=w8b.spec),
+            n * k + x_b, True, n * k + x_b + out_b),
+        "torch chain w4a4 (qpass.quant.linear)": (
+            lambda i: (inp.x.clone() if i else inp.x,),
+            lambda x: w4a4_linear_reference(x, w4, act_spec=NVFP4_ACT, w_hat=w_hat), x_b, False, w4_b + x_b + out_b),
+    }
+    if "torch chain w4a4 (qpass.quant.linear)" in contenders:
+        w_hat = nvfp4_dequantize(w4, torch.bfloat16)
+    times: dict[str, float] = {}
+    rows: dict[str, Row] = {}
+    for name in contenders:
+        if not budget.ok():
+            res.add(Row(section, name, m, n, k, mode="skipped (budget)"))
+            continue
+        make, fn, set_bytes, graphs, roof_bytes = table[name]
+        try:
+            with no_sync_checks():
+                t, mode = time_fn(make, fn, set_bytes, graphs=graphs)
+        except Exception as exc:  # noqa: BLE001
+            res.errors.append(f"{section} / {name} M={m} N={n} K={k}: {type(exc).__name__}: {str(exc)[:300]}")
+            res.add(Row(section, name, m, n, k, mode="failed"))
+            continue
+        times[name] = t
+        rows[name] = res.add(Row(section, name, m, n, k, time_us=t, mode=mode,
+                                 roofline_frac=_roof_us(roof_bytes, flops, cal, fp8="fp8" in name) / t))
+    for name, row in rows.items():
+        if "bf16 cuBLAS" in times:
+            row.vs_bf16 = times["bf16 cuBLAS"] / row.time_us
+        if "fp8 _scaled_mm (per-tensor)" in times:
+            row.vs_fp8 = times["fp8 _scaled_mm (per-tensor)"] / row.time_us
+        if "torch chain w4a4 (qpass.quant.linear)" in times and "triton" in name:
+            row.vs_torch = times["torch chain w4a4 (qpass.quant.linear)"] / row.time_us
+
+
+def _dev() -> torch.device:
+    return torch.device("cpu") if SMOKE["on"] else torch.device("cuda")
+
+
+def _targets(res: Results) -> None:
+    """Evaluate the project's speed targets from the rows (ratios reported whether met or not)."""
+    def geo(vals):
+        vals = [v for v in vals if v]
+        return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+    res.targets = []
+    tg = res.targets
+    sec = next((r.section for r in res.rows if r.section.startswith("activation quantization")), None)
+    def first(name):
+        return next((r for r in res.rows if r.section == sec and r.name == name and r.time_us), None)
+
+    rac = first("act quant + RAC 50% gathered/batch")
+    plain = first("nvfp4 act quant (per-tensor)")
+    if rac:
+        tg.append({"name": f"act quant + RAC (gathered/batch 50%, {rac.m}x{rac.k}) bandwidth", "goal": ">= 0.85 of copy",
+                   "measured": f"{rac.roofline_frac:.2f} of copy ({rac.extra.get('GBps', 0):.0f} GB/s essential bytes)",
+                   "met": rac.roofline_frac >= 0.85})
+    if rac and plain:
+        ov = rac.time_us / plain.time_us
+        tg.append({"name": "RAC overhead vs plain NVFP4 act quant", "goal": "<= 1.3x", "measured": f"{ov:.2f}x",
+                   "met": ov <= 1.3})
+    if rac and rac.vs_torch:
+        tg.append({"name": "act quant + RAC vs torch chain", "goal": ">= 5x", "measured": f"{rac.vs_torch:.1f}x",
+                   "met": rac.vs_torch >= 5})
+    for kern in ("w4a16 triton", "w4a4 triton", "w4a16 triton [lut decode]", "w4a4 triton [lut decode]"):
+        vals = [r.vs_bf16 for r in res.rows if r.section == "decode (Llama-8B shapes)" and r.name == kern and r.m <= 16
+                and r.vs_bf16]
+        if vals:
+            tg.append({"name": f"{kern} decode M<=16, 8B shapes, vs BF16", "goal": ">= 2.5x",
+                       "measured": f"min {min(vals):.2f}x, geomean {geo(vals):.2f}x over {len(vals)}",
+                       "met": min(vals) >= 2.5})
+    for kern in ("w4a4 triton", "w4a4 triton [lut decode]"):
+        vals = [r.vs_bf16 for r in res.rows if r.section == "prefill (Llama-8B shapes)" and r.name == kern
+                and r.m >= 4096 and r.vs_bf16]
+        if vals:
+            tg.append({"name": f"{kern} prefill M>=4096, 8B shapes, vs BF16", "goal": ">= 0.8x",
+                       "measured": f"min {min(vals):.2f}x, geomean {geo(vals):.2f}x over {len(vals)}",
+                       "met": min(vals) >= 0.8})
+    for kern in ("w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton"):
+        for sec, label in (("decode (Llama-8B shapes)", "decode M=16"), ("prefill (Llama-8B shapes)", "prefill")):
+            pairs = [(r.time_us, o.time_us) for r in res.rows if r.section == sec and r.name == kern and r.time_us
+                     for o in [res.find(sec, f"{kern} [mma accum]", r.m, r.n, r.k)] if o is not None and o.time_us]
+            if pairs:
+                tg.append({"name": f"{kern} {label}: time of two-level accumulation / mma accumulation",
+                           "goal": "(cost of the accuracy fix; no target)",
+                           "measured": f"geomean {geo([a / b for a, b in pairs]):.2f}x over {len(pairs)} shapes "
+                                       f"(max {max(a / b for a, b in pairs):.2f}x)", "met": None})
+
+
+def _autotune_report() -> dict:
+    """Best configs the autotuners picked, per key (to seed fixed configs later)."""
+    from qpass.backends.triton._loader import kernel_lib
+
+    lib = kernel_lib(_dev())
+    out = {}
+    for mod, names in ((lib.nvfp4_gemm, ("_gemm_small", "_gemm_large")), (lib.nvfp4_quant, ("_quant_tuned",)),
+                       (lib.rac, ("_masked_tuned",)), (lib.fp8, ("_fp8_gemm_tuned",))):
+        for nm in names:
+            tuner = getattr(mod, nm, None)
+            tuners = tuner.items() if isinstance(tuner, dict) else [(None, tuner)]
+            for sub, t in tuners:
+                if t is not None and getattr(t, "cache", None):
+                    out[nm if sub is None else f"{nm}[{sub}]"] = {str(k): str(v) for k, v in t.cache.items()}
+    return out
+
+
+def _save(res: Results, args) -> str:
+    """Write the JSON (and markdown) of the results so far (atomic; a killed run keeps them).
+
+    Returns the markdown."""
+    md = to_markdown(res)
+    if getattr(args, "out", None):
+        out = _out_path(args.out)
+        write_atomic(out, json.dumps(res.to_json(), indent=1, default=str))
+        write_atomic(out.with_suffix(".md"), md)
+    return md
+
+
+def _out_path(out: str) -> Path:
+    p = Path(out)
+    return p if p.suffix == ".json" else p / "bench.json"
+
+
+def run_full(args) -> Results:
+    import triton
+
+    res = Results()
+    budget = Budget(args.budget_s)
+    if SMOKE["on"]:
+        res.meta.update(mode="smoke (CPU interpreter, toy sizes, no timings)", device="cpu")
+        llama, moe, smol, act_mk = [(64, 96)], [(48, 32)], [(32, 48)], (64, 128)
+        dec_m, pre_m, big_m = (1, 4), 32, 48
+    else:
+        dev = torch.device("cuda")
+        props = torch.cuda.get_device_properties(dev)
+        res.meta.update(mode="full", device=props.name, sms=props.multi_processor_count)
+        llama, moe, smol, act_mk = LLAMA8B_SHAPES, MOE_SHAPES, SMOLLM_SHAPES, (16384, 4096)
+        dec_m, pre_m, big_m = (1, 16), 4096, 16384
+    res.meta.update(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                    budget_s=args.budget_s)
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    cal = calibrate(res, budget)
+    res.meta["calibration"] = cal
+    print(f"[bench] calibration {cal} ({time.monotonic() - t0:.1f}s)", flush=True)
+
+    def step(label, fn, *a):
+        t = time.monotonic()
+        try:
+            fn(*a)
+        except Exception as exc:  # noqa: BLE001
+            res.errors.append(f"{label}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-800:]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the step's inputs and graphs are gone once it returns
+        print(f"[bench] {label}: {time.monotonic() - t:.1f}s, {budget.left():.0f}s left", flush=True)
+        res.meta["wall_s"] = round(time.monotonic() - t0, 1)
+        res.meta["complete"] = False
+        _targets(res)
+        _save(res, args)
+
+    base = ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a16 triton", "w4a4 triton", "w4a16 triton [lut decode]",
+            "w4a4 triton [lut decode]")
+    dec = "decode (Llama-8B shapes)"
+    pre = "prefill (Llama-8B shapes)"
+    step("act quant", bench_act_quant, res, cal, budget, *act_mk)
+    n0, k0 = llama[0]
+    mma = ("w4a16 triton [mma accum]", "w4a4 triton [mma accum]")
+    for m in dec_m:
+        for n, k in llama:
+            extra = ("w4a4+RAC50 gathered/batch triton",) + mma if m == dec_m[-1] else ()
+            extra += ("torch chain w4a4 (qpass.quant.linear)",) if (m, n, k) == (dec_m[-1], n0, k0) else ()
+            step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k, base + extra)
+    for n, k in llama:
+        extra = mma + ("w4a4+RAC50 gathered/batch triton", "w4a4+RAC50 gathered/batch triton [mma accum]")
+        extra += ("fp8 block W8A8 (act quant + GEMM)",) if (n, k) == (n0, k0) else ()
+        step(f"prefill M={pre_m} N={n} K={k}", bench_gemm_point, res, cal, budget, pre, pre_m, n, k, base + extra)
+    if not SMOKE["on"]:
+        for m in (8, 32, 64, 128):
+            for n, k in llama:
+                step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k,
+                     ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+        step("prefill M=1024 torch chain", bench_gemm_point, res, cal, budget, pre, 1024, n0, k0,
+             ("bf16 cuBLAS", "w4a4 triton", "torch chain w4a4 (qpass.quant.linear)"))
+        for n, k in llama[1:]:
+            step(f"prefill M=1024 N={n} K={k}", bench_gemm_point, res, cal, budget, pre, 1024, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+    for n, k in llama:
+        step(f"prefill M={big_m} N={n} K={k}", bench_gemm_point, res, cal, budget, pre, big_m, n, k,
+             ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a4 triton"))
+    for m in (dec_m[-1], pre_m // 4):
+        for n, k in moe:
+            step(f"moe M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "MoE expert shapes", m, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton"))
+    for m in (1, dec_m[-1], pre_m // 4):
+        for n, k in smol:
+            step(f"smollm M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "SmolLM2-135M shapes", m, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+    _targets(res)
+    try:
+        res.meta["autotune"] = _autotune_report()
+    except Exception as exc:  # noqa: BLE001
+        res.errors.append(f"autotune report: {exc}")
+    res.meta["wall_s"] = round(time.monotonic() - t0, 1)
+    res.meta["complete"] = True
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# --quick: CPU interpreter, correctness only
+
+
+def run_quick(args) -> Results:
+    """Tiny shapes under the Triton interpreter: every kernel family against its reference."""
+    import triton
+
+    from qpass.backends.triton import (
+        fp8_linear_triton,
+        fp8_quantize_triton,
+        nvfp4_quantize_triton,
+        rac_triton,
+        w4a4_linear_triton,
+        w4a16_linear_triton,
+    )
+    from qpass.formats.spec import FP8_ACT_BLOCK, NVFP4_ACT, NVFP4_ACT_PER_TOKEN
+    from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
+    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from qpass.quant.rac import RACConfig, rac_reference
+
+    res = Results()
+    res.meta.update(mode="quick (CPU, Triton interpreter, correctness only)", device="cpu", torch=torch.__version__,
+                    triton=triton.__version__, python=platform.python_version())
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    res.meta["seed"] = seed
+    m, n, k = 8, 64, 96
+    dev = torch.device("cpu")
+    x = _acts(m, k, dev)
+    sec = "quick correctness (interpreter)"
+
+    def check(name, ok: bool, **extra):
+        res.add(Row(sec, name, m, n, k, mode="pass" if ok else "FAIL", extra=extra))
+        if not ok:
+            res.errors.append(f"{name}: mismatch (seed {seed})")
+
+    def same(a, b):
+        return torch.equal(a.codes, b.codes) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8)) \
+            and torch.equal(a.s_dec, b.s_dec)
+
+    check("nvfp4 quantize per-tensor: bytes", same(nvfp4_quantize_triton(x), nvfp4_quantize(x)))
+    check("nvfp4 quantize per-token: bytes",
+          same(nvfp4_quantize_triton(x, per_token=True), nvfp4_quantize(x, spec=NVFP4_ACT_PER_TOKEN)))
+    f8, r8 = fp8_quantize_triton(x, "block_1x128"), fp8_quantize(x, "block_1x128")
+    check("fp8 quantize 1x128: bytes", torch.equal(f8.data.view(torch.uint8), r8.data.view(torch.uint8))
+          and torch.equal(f8.scale, r8.scale))
+    for mode_, sel in (("gathered", "batch"), ("masked", "token")):
+        cfg = RACConfig(0.5, mode_, sel)
+        a, b = rac_triton(x, cfg, NVFP4_ACT), rac_reference(x, cfg, NVFP4_ACT)
+        check(f"RAC {mode_}/{sel}: qa/qr bytes + channels", same(a.qa, b.qa) and same(a.qr, b.qr)
+              and torch.equal(a.channels, b.channels) and torch.equal(a.comp, b.comp))
+    w = nvfp4_quantize(torch.randn(n, k) * 0.05)
+    wh = nvfp4_dequantize(w, torch.bfloat16).double()
+    xf = x.float()
+
+    def rel(y, ref):
+        return float((y.double() - ref).norm() / ref.norm())
+
+    e = rel(w4a16_linear_triton(xf, w.codes, w.scales, w.s_dec), xf.double() @ wh.t())
+    check("w4a16 GEMM vs fp64", e < 1e-5, rel_err=e)
+    xh = nvfp4_dequantize(nvfp4_quantize(xf, spec=NVFP4_ACT), torch.bfloat16).double()
+    e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT), xh @ wh.t())
+    check("w4a4 GEMM vs fp64", e < 1e-5, rel_err=e)
+    cfg = RACConfig(0.5, "masked", "batch")
+    rr = rac_reference(xf, cfg, NVFP4_ACT)
+    e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, rac=cfg),
+            rr.x_hat.double() @ wh.t() + rr.comp.double() @ wh.t())
+    check("w4a4+RAC masked GEMM vs fp64", e < 1e-5, rel_err=e)
+    w8 = fp8_quantize(torch.randn(n, k) * 0.05, "block_128x128")
+    ref8 = fp8_dequantize(fp8_quantize(xf, spec=FP8_ACT_BLOCK), torch.float32).double() @ \
+        fp8_dequantize(w8, torch.float32).double().t()
+    e = rel(fp8_linear_triton(xf, w8.data, w8.scale, None, act_spec=FP8_ACT_BLOCK, w_spec=w8.spec), ref8)
+    check("fp8 block GEMM vs fp64", e < 1e-5, rel_err=e)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (``qpass bench``). Returns 0 when every measurement/check ran without error."""
+    ap = argparse.ArgumentParser(prog="qpass bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU interpreter, tiny shapes, correctness only (< 1 min)")
+    ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the full benchmark")
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # full code path on CPU, toy sizes
+    args = ap.parse_args(argv)
+    SMOKE["on"] = bool(args.smoke)
+    if not args.quick and not args.smoke and not torch.cuda.is_available():
+        print("qpass bench: no CUDA device; use --quick for the CPU correctness run", file=sys.stderr)
+        return 2
+    res = run_quick(args) if args.quick else run_full(args)
+    print(_save(res, args))
+    return 1 if res.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

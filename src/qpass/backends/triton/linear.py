@@ -1,0 +1,211 @@
+"""Host wrappers of the rollout linears (semantics: :mod:`qpass.quant.linear`).
+
+* :func:`w4a16_linear_triton`: NVFP4 weights, activations as given (bf16 on the tensor cores;
+  fp16/fp32 input multiplies exact float32 copies).
+* :func:`w4a4_linear_triton`: activations quantized to NVFP4 on the fly (dynamic per-tensor or
+  per-token global scale) and decoded in registers by the quantization kernel, optional RAC
+  (second accumulation over the same weight bytes: dense for masked mode, gathered columns for
+  gathered mode).
+* :func:`fp8_linear_triton`: FP8 W8A8: activations quantized by the Triton kernel, GEMM by
+  ``torch._scaled_mm`` where its block-scale layout is supported (1x128 x 128x128 on sm_90, bf16
+  output), otherwise by the Triton block-scaled kernel.
+
+Outputs equal the reference up to the order of float32 summation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from qpass.errors import QuantizationError
+from qpass.formats.spec import FP8Spec, Granularity, NVFP4Spec
+from qpass.quant.nvfp4 import BLOCK
+from qpass.quant.rac import RACConfig, rac_num_channels
+from qpass.backends.triton._config import sync_checks_enabled
+from qpass.backends.triton._loader import kernel_lib
+from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, fp8_quantize_triton, raise_if_nonfinite
+from qpass.backends.triton.rac import rac_run
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def _weight_parts(w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor, k: int, site: str | None):
+    if w_codes.dtype != torch.uint8:
+        raise QuantizationError(f"packed NVFP4 weight codes must be uint8, got {w_codes.dtype} at site {site}")
+    if w_codes.dim() != 2 or w_codes.shape[1] * 2 != k:
+        raise QuantizationError(f"input has K={k} but the weight codes are {tuple(w_codes.shape)} at site {site}")
+    sc = w_scales.view(torch.uint8) if w_scales.dtype != torch.uint8 else w_scales
+    if tuple(sc.shape) != (w_codes.shape[0], k // BLOCK):
+        raise QuantizationError(f"weight scales {tuple(sc.shape)} do not match codes {tuple(w_codes.shape)} at site {site}")
+    sdec = w_s_dec.to(device=w_codes.device, dtype=torch.float32).reshape(-1)
+    if sdec.numel() != 1:
+        raise QuantizationError(f"NVFP4 weights need one per-tensor s_dec, got shape {tuple(w_s_dec.shape)} at site {site}")
+    return w_codes.contiguous(), sc.contiguous(), sdec.contiguous()
+
+
+def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None, accumulation=None):
+    m = a.shape[0]
+    out = torch.empty(m, w_codes.shape[0], dtype=out_dtype, device=a.device)
+    b = None if bias is None else bias.contiguous()
+    kernel_lib(a.device).nvfp4_gemm.launch_nvfp4_gemm(
+        a, w_codes, w_scales, sdec, out, bias=b, a2=a2, gidx=gidx, num_sms=_num_sms(a.device), decode=decode,
+        accumulation=accumulation,
+    )
+    return out
+
+
+def w4a16_linear_triton(
+    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
+    bias: torch.Tensor | None = None, *, site: str | None = None, out_dtype: torch.dtype | None = None,
+    decode: str | None = None, accumulation: str | None = None,
+) -> torch.Tensor:
+    """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``out_dtype or x.dtype``.
+
+    Args:
+        x: bf16 (tensor cores) or fp16/fp32 (exact float32 products) ``[..., K]``.
+        w_codes: uint8 ``[N, K/2]``; w_scales: e4m3 (or uint8 bytes) ``[N, K/16]``; w_s_dec: float32
+            decode global scale (one element).
+        bias: optional ``[N]``.
+        out_dtype: output dtype (default ``x.dtype``; float32 exposes the float32 accumulator).
+        decode: in-register weight decode, ``"ref"`` (float arithmetic) or ``"lut"`` (per-block
+            table + byte permutes; GPU only, same bits); default ``QPASS_NVFP4_DECODE`` or ``"ref"``.
+        accumulation: ``"two_level"`` (each K tile summed on the tensor cores, then added to the
+            float32 accumulator with IEEE round-to-nearest) or ``"mma"`` (the whole K sum in the
+            tensor-core accumulator); default ``QPASS_GEMM_ACCUMULATION`` or ``"two_level"``.
+    Source: ``qpass.quant.linear.w4a16_linear_reference``.
+    """
+    k = x.shape[-1]
+    codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
+    x2 = as_rows(x)
+    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode, accumulation=accumulation)
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> torch.Tensor:
+    """bf16 ``x_hat = DQ(Q_A(x2))`` from one amax pass and one fused quantize-decode pass."""
+    per_row = act_spec.global_scope == "per_token"
+    if per_row:
+        amax, _ = amax_rows(x2, need_global=False)
+        gbits = amax.view(torch.int32)
+    else:
+        gbits = amax_bits_tensor(x2)
+        amax = gbits.view(torch.float32)
+    if sync_checks_enabled(x2.device):
+        raise_if_nonfinite(gbits, x2, "nvfp4_quantize", "activation", site)
+    x_hat = torch.empty(x2.shape, dtype=torch.bfloat16, device=x2.device)
+    kernel_lib(x2.device).nvfp4_quant.launch_nvfp4_quant(x2, amax, per_row, xhat=x_hat)
+    return x_hat
+
+
+def w4a4_linear_triton(
+    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
+    bias: torch.Tensor | None = None, *, act_spec: NVFP4Spec, rac: RACConfig | None = None,
+    static_channels: torch.Tensor | None = None, site: str | None = None, out_dtype: torch.dtype | None = None,
+    decode: str | None = None, accumulation: str | None = None,
+) -> torch.Tensor:
+    """W4A4 linear with dynamic NVFP4 activation quantization and optional RAC.
+
+    Args:
+        x: bf16/fp16/fp32 ``[..., K]`` (all leading dims are one forward batch), ``K % 16 == 0``.
+        w_codes, w_scales, w_s_dec, bias: as :func:`w4a16_linear_triton`.
+        act_spec: activation spec (per-tensor or per-token dynamic global scale).
+        rac: residual compensation options (None or 0 channels: plain W4A4).
+        static_channels: calibrated channels for ``rac.selection == 'static'``.
+        out_dtype: output dtype (default ``x.dtype``).
+        decode, accumulation: as :func:`w4a16_linear_triton`.
+    Returns:
+        ``[..., N]`` in ``out_dtype or x.dtype``.
+    Source: ``qpass.quant.linear.w4a4_linear_reference``.
+    """
+    k = x.shape[-1]
+    codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
+    check_shape(x, "nvfp4_quantize", BLOCK, "activation", site)
+    x2 = as_rows(x)
+    if rac is None or rac_num_channels(k, rac.ratio) == 0:  # the reference's plain-W4A4 rule
+        y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode,
+                  accumulation=accumulation)
+    else:
+        ops = rac_run(x2, rac, act_spec, static_channels=static_channels, site=site, outputs="gemm")
+        y = _gemm(ops.x_hat, codes, scales, sdec, bias, out_dtype or x.dtype, a2=ops.comp, gidx=ops.gather_idx,
+                  decode=decode, accumulation=accumulation)
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 W8A8
+
+_SCALED_MM_OK: dict[tuple, bool] = {}
+
+
+def _scaled_mm_blockwise(xq, xs, wq, ws, bias, out_dtype):
+    """``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales (sm_90, bf16 out).
+
+    cuBLASLt wants both scale tensors "outer-dim-major" with 16-byte aligned leading dimensions:
+    ``scale_a [M, K/128]`` with strides ``(1, Mp)`` and ``scale_b [K/128, N/128]`` with strides
+    ``(1, KBp)`` (``Mp``, ``KBp`` multiples of 4).
+    """
+    m = xq.shape[0]
+    kb = xs.shape[1]
+    mp = -(-m // 4) * 4
+    kbp = -(-kb // 4) * 4
+    sa_buf = torch.zeros(kb, mp, dtype=torch.float32, device=xq.device)
+    sa_buf[:, :m] = xs.t()
+    sb_buf = torch.zeros(ws.shape[0], kbp, dtype=torch.float32, device=xq.device)
+    sb_buf[:, :kb] = ws
+    return torch._scaled_mm(
+        xq, wq.t(), scale_a=sa_buf[:, :m].t(), scale_b=sb_buf[:, :kb].t(), bias=bias, out_dtype=out_dtype,
+        use_fast_accum=False,
+    )
+
+
+def fp8_linear_triton(
+    x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, *,
+    act_spec: FP8Spec, w_spec: FP8Spec, site: str | None = None, backend: str | None = None,
+) -> torch.Tensor:
+    """FP8 E4M3 W8A8 linear ``x [..., K] -> [..., N]`` in ``x.dtype``.
+
+    Args:
+        x: bf16/fp16/fp32 ``[..., K]``.
+        w_data: ``float8_e4m3fn`` ``[N, K]``; w_scale: float32 decode scales of ``w_spec``'s granularity.
+        act_spec / w_spec: FP8 specs (activation quantized here with the Triton kernel).
+        backend: ``"scaled_mm"``, ``"triton"`` (bf16-upcast tensor-core dot, fp32 accumulation),
+            ``"triton_fp8"`` (FP8 tensor cores) or None (``QPASS_FP8_GEMM`` env, default: scaled_mm
+            when supported, else triton).
+    Source: ``qpass.quant.linear.fp8_linear_reference``.
+    """
+    k = x.shape[-1]
+    if w_data.shape[-1] != k:
+        raise QuantizationError(f"input has K={k} but the weight has K={w_data.shape[-1]} at site {site}")
+    x2 = as_rows(x)
+    xq = fp8_quantize_triton(x2, spec=act_spec, check=sync_checks_enabled(x2.device), name="activation", site=site)
+    wq = w_data.contiguous()
+    backend = backend or os.environ.get("QPASS_FP8_GEMM") or "auto"
+    g_a, g_w = act_spec.granularity, w_spec.granularity
+    out = None
+    if backend in ("auto", "scaled_mm") and x2.is_cuda and g_a == Granularity.BLOCK_1X128 and g_w == Granularity.BLOCK_128X128 \
+            and x.dtype == torch.bfloat16 and k % 128 == 0 and wq.shape[0] % 128 == 0:
+        key = (x2.device.index, bias is not None)
+        if _SCALED_MM_OK.get(key, True):
+            try:
+                b = None if bias is None else bias.to(torch.bfloat16)
+                out = _scaled_mm_blockwise(xq.data, xq.scale, wq, w_scale, b, torch.bfloat16)
+                _SCALED_MM_OK[key] = True
+            except (RuntimeError, TypeError, ValueError):
+                if backend == "scaled_mm":
+                    raise
+                _SCALED_MM_OK[key] = False
+    if out is None:
+        out = torch.empty(x2.shape[0], wq.shape[0], dtype=x.dtype, device=x2.device)
+        a_br = (act_spec.block_shape or (1, 1))[0]
+        w_br = (w_spec.block_shape or (1, 1))[0]
+        kernel_lib(x2.device).fp8.launch_fp8_gemm(
+            xq.data.view(torch.uint8).reshape(x2.shape), xq.scale, a_br, wq.view(torch.uint8), w_scale, w_br, out,
+            bias=None if bias is None else bias.contiguous(), dot_fp8=backend == "triton_fp8",
+        )
+    return out.reshape(*x.shape[:-1], wq.shape[0])

@@ -1,0 +1,221 @@
+"""Fused NVFP4 activation quantization with residual activation compensation (SPEC §2), Triton.
+
+Pipeline for ``x [M, K]`` (every step on the device, no host sync when checks are off; the
+number of channels ``k = floor(ratio*K)`` is static, so shapes never depend on data):
+
+1. amax kernel: ``max|x|`` (per tensor, or per row + global for per-token activations).
+2. one fused pass (``kernels/nvfp4_quant.py``): activation codes/scales, ``x_hat`` (bf16),
+   and from ``R = x - x_hat`` the exact int64 channel scores (batch selection), ``|R|``
+   (token selection) and ``max|R|`` per channel / per row (the residual's global amax).
+3. selection: ``torch.sort`` (stable, descending; ties to the lower index) of the exact scores,
+   the same call as ``qpass.quant.rac.topk_channels``.
+4. residual pass (``kernels/rac.py``): masked (all of R, then mask) or gathered (selected
+   channels as their own blocks).
+
+Bytes (``qa``, ``qr``), selected channels and operands equal :func:`qpass.quant.rac.rac_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from qpass.errors import QuantizationError
+from qpass.formats.spec import NVFP4Spec
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor
+from qpass.quant.rac import RACConfig, RACResult, ceil16, rac_num_channels, topk_channels
+from qpass.backends.triton._config import sync_checks_enabled
+from qpass.backends.triton._loader import kernel_lib
+from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, raise_if_nonfinite
+
+
+@dataclasses.dataclass(frozen=True)
+class RACOperands:
+    """What the W4A4+RAC GEMM consumes, plus the parity views.
+
+    Attributes:
+        x_hat: bf16 ``[M, K]`` = DQ(Q_A(X)).
+        comp: bf16 compensation operand: ``[M, K]`` (masked, or per-token gathered scattered back
+            to dense) or ``[M, K']`` (batch/static gathered).
+        gather_idx: int32 ``[K']`` channel per compensation column (-1 = padding) when ``comp`` is
+            ``[M, K']``; None when ``comp`` is dense.
+        result: the :class:`~qpass.quant.rac.RACResult` (parity mode) or None.
+    """
+
+    x_hat: torch.Tensor
+    comp: torch.Tensor
+    gather_idx: torch.Tensor | None
+    result: RACResult | None
+
+
+def _log2_ceil(m: int) -> int:
+    return (m - 1).bit_length() if m > 1 else 0
+
+
+def _nvt(codes, scales, s_enc, s_dec, amax, shape, dtype, spec, per_row) -> NVFP4Tensor:
+    gshape = (shape[0], 1) if per_row else ()
+    return NVFP4Tensor(
+        codes=codes, scales=scales.view(torch.float8_e4m3fn), s_dec=s_dec.reshape(gshape), s_enc=s_enc.reshape(gshape),
+        amax=None if amax is None else amax.reshape(gshape), shape=torch.Size(shape), orig_dtype=dtype, spec=spec,
+    )
+
+
+def rac_run(
+    x: torch.Tensor,
+    cfg: RACConfig,
+    act_spec: NVFP4Spec,
+    *,
+    static_channels: torch.Tensor | None = None,
+    site: str | None = None,
+    outputs: str = "parity",
+) -> RACOperands:
+    """Run the RAC pipeline on ``x [M, K]`` (bf16/fp16/fp32, ``K % 16 == 0``).
+
+    Args:
+        x, cfg, act_spec, static_channels, site: as :func:`qpass.quant.rac.rac_reference`.
+        outputs: ``"parity"``: everything the reference returns (``qa``/``qr`` bytes, ``x_hat``,
+            ``comp``, channels, gather index, and ``residual`` formed in torch) as a
+            :class:`RACResult`; ``"gemm"``: only the GEMM operands (``x_hat``, ``comp``, index);
+            ``"bytes"``: only the quantized bytes (``qa``, ``qr``, channels, index) in a
+            :class:`RACResult` whose ``x_hat``/``comp``/``residual`` are None.
+    Raises:
+        QuantizationError: bad shape/dtype; with sync checks on: NaN/inf input, out-of-range
+            static channels; ``k == 0`` (callers use plain W4A4 then).
+    """
+    if x.dim() != 2:
+        raise QuantizationError(f"RAC expects [M, K], got shape={tuple(x.shape)} at site {site}")
+    if outputs not in ("parity", "gemm", "bytes"):
+        raise ValueError(f"outputs must be 'parity', 'gemm' or 'bytes', got {outputs!r}")
+    parity = outputs == "parity"
+    want_bytes = outputs in ("parity", "bytes")
+    want_ops = outputs in ("parity", "gemm")
+    check_shape(x, "nvfp4_quantize", BLOCK, "activation", site)
+    x2 = as_rows(x)
+    m, kd = x2.shape
+    dev = x2.device
+    lib = kernel_lib(dev)
+    checks = sync_checks_enabled(dev)
+    per_row = act_spec.global_scope == "per_token"
+    sel = cfg.selection
+    gathered = cfg.mode == "gathered"
+
+    if sel == "static":
+        if static_channels is None:
+            raise QuantizationError(f"RAC selection 'static' needs calibrated channels at site {site}")
+        ch = torch.sort(static_channels.to(device=dev, dtype=torch.int64)).values
+        if checks and ch.numel() and (int(ch.min()) < 0 or int(ch.max()) >= kd):
+            raise QuantizationError(f"static RAC channels out of range [0, {kd}) at site {site}")
+        k = ch.numel()
+    else:
+        k = rac_num_channels(kd, cfg.ratio)
+    if k == 0:
+        raise QuantizationError(f"RAC with 0 channels at site {site}: use plain W4A4")
+
+    # 1. amax
+    if per_row:
+        amax_x, gbits = amax_rows(x2)
+    else:
+        gbits = amax_bits_tensor(x2)
+        amax_x = gbits.view(torch.float32)
+    if checks:
+        raise_if_nonfinite(gbits, x, "nvfp4_quantize", "activation", site)
+
+    # 2. fused activation quantization + residual statistics
+    n_glob = m if per_row else 1
+    write_qa = want_bytes or gathered
+    qa_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if write_qa else None
+    qa_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if write_qa else None
+    qa_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
+    qa_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
+    x_hat = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
+    need_rstats = not (gathered and per_row)
+    # the atomically accumulated statistics share one zero-filled buffer (one memset launch)
+    n_sc = kd if sel == "batch" else 0
+    n_st = (kd + m) if need_rstats else 0
+    stats = torch.zeros(8 * n_sc + 4 * n_st, dtype=torch.uint8, device=dev)
+    scores = stats[: 8 * n_sc].view(torch.int64) if n_sc else None
+    rcolmax = stats[8 * n_sc: 8 * n_sc + 4 * kd].view(torch.int32) if need_rstats else None
+    rrowmax = stats[8 * n_sc + 4 * kd:].view(torch.int32) if need_rstats else None
+    rabs = torch.empty(m, kd, dtype=torch.float32, device=dev) if sel == "token" else None
+    lib.nvfp4_quant.launch_nvfp4_quant(
+        x2, amax_x, per_row, codes=qa_codes, scales=qa_scales, xhat=x_hat, s_enc=qa_senc, s_dec=qa_sdec,
+        gamax_bits=gbits, log2m=_log2_ceil(m), scores=scores, rcolmax=rcolmax, rrowmax=rrowmax, rabs=rabs,
+    )
+
+    # 3. selection (exact keys; stable sort: ties -> lower channel index)
+    if sel == "batch":
+        ch = topk_channels(scores, k)
+    elif sel == "token":
+        ch = topk_channels(rabs, k)
+
+    # 4. residual quantization
+    qr = None
+    gather_index = None
+    if not gathered:
+        if ch.dim() == 1:
+            mask = torch.zeros(kd, dtype=torch.int8, device=dev).index_fill_(0, ch, 1)
+        else:
+            mask = torch.zeros(m, kd, dtype=torch.int8, device=dev).scatter_(1, ch, 1)
+        amax_r = rrowmax.view(torch.float32) if per_row else rcolmax.amax().reshape(1).view(torch.float32)
+        comp = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
+        qr_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        lib.rac.launch_residual_masked(
+            x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec
+        )
+        gemm_comp, gidx = comp, None
+        if want_bytes:
+            qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, amax_r.clone(), (m, kd), torch.float32, act_spec, per_row)
+    else:
+        kp = max(ceil16(k), BLOCK)
+        idx = torch.full((*ch.shape[:-1], kp), -1, dtype=torch.int32, device=dev)
+        idx[..., :k] = ch
+        if per_row:
+            amax_g = None  # the kernel sweeps each row's own channels first
+        elif ch.dim() == 1:
+            amax_g = rcolmax.view(torch.float32).index_select(0, ch).amax().reshape(1)
+        else:  # token selection, per-tensor residual scale: max |R| over each row's own channels
+            amax_g = torch.gather(rabs, 1, ch).amax().reshape(1)
+        comp_g = torch.empty(m, kp, dtype=torch.bfloat16, device=dev) if want_ops else None
+        dense = torch.zeros(m, kd, dtype=torch.bfloat16, device=dev) if ch.dim() == 2 and want_ops else None
+        qr_codes = torch.empty(m, kp // 2, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_scales = torch.empty(m, kp // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
+        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        lib.rac.launch_residual_gathered(
+            x2, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row,
+            codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec,
+        )
+        gemm_comp, gidx = (dense, None) if dense is not None else (comp_g, idx)
+        comp = comp_g
+        gather_index = idx.to(torch.int64)
+        if want_bytes:
+            qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, None if amax_g is None else amax_g.clone(), (m, kp),
+                      torch.float32, act_spec, per_row)
+
+    result = None
+    if want_bytes:
+        amax_qa = amax_x.reshape(m, 1) if per_row else amax_x.clone().reshape(())
+        qa = _nvt(qa_codes, qa_scales, qa_senc, qa_sdec, amax_qa, (m, kd), x.dtype, act_spec, per_row)
+        residual = x2.float() - x_hat.float() if parity else None
+        result = RACResult(x_hat, comp, ch, gather_index, qa, qr, residual)
+    return RACOperands(x_hat=x_hat, comp=gemm_comp, gather_idx=gidx, result=result)
+
+
+def rac_triton(
+    x: torch.Tensor,
+    cfg: RACConfig,
+    act_spec: NVFP4Spec,
+    *,
+    static_channels: torch.Tensor | None = None,
+    site: str | None = None,
+) -> RACResult:
+    """Triton twin of :func:`qpass.quant.rac.rac_reference` (same fields, same bytes).
+
+    ``residual`` is formed on request here (``x - x_hat`` in float32) for parity; the kernels never
+    store it. Raises as :func:`rac_run`.
+    """
+    return rac_run(x, cfg, act_spec, static_channels=static_channels, site=site, outputs="parity").result

@@ -1,0 +1,134 @@
+"""Graph properties passes declare (``requires`` / ``ensures``) and the checks that prove them.
+
+A property is a name plus a function ``QGraph -> list[str]`` of violations (empty = holds). The pass
+manager checks a pass's ``requires`` before it runs and its ``ensures`` after, so a pass contract is
+verified on the graph, never trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from qpass.graph.qgraph import QGraph
+from qpass.graph.sites import LINEAR_TARGETS
+
+Checker = Callable[[QGraph], list[str]]
+PROPERTIES: dict[str, Checker] = {}
+
+
+def graph_property(name: str) -> Callable[[Checker], Checker]:
+    """Register a property checker under ``name``."""
+
+    def deco(fn: Checker) -> Checker:
+        PROPERTIES[name] = fn
+        return fn
+
+    return deco
+
+
+def check_property(qg: QGraph, name: str) -> list[str]:
+    """Violations of property ``name`` on ``qg`` (KeyError for an unknown property)."""
+    if name not in PROPERTIES:
+        raise KeyError(f"unknown graph property {name!r}; known: {sorted(PROPERTIES)}")
+    return PROPERTIES[name](qg)
+
+
+def _ops():
+    from qpass import ops  # noqa: F401
+    from qpass.quant import qdq  # noqa: F401
+
+    return torch.ops.qpass
+
+
+@graph_property("sites_stamped")
+def _sites_stamped(qg: QGraph) -> list[str]:
+    bad = []
+    for n in qg.gm.graph.nodes:
+        if n.op == "call_function" and n.target in LINEAR_TARGETS:
+            w = n.args[1]
+            if isinstance(w, torch.fx.Node) and w.op == "get_attr" and "qpass_linear_site" not in n.meta:
+                bad.append(f"linear node {n.name} (weight {w.target}) has no qpass_linear_site stamp")
+    return bad
+
+
+@graph_property("weight_qdq")
+def _weight_qdq(qg: QGraph) -> list[str]:
+    q = _ops()
+    nodes = qg.call_nodes(q.nvfp4_qdq.default)
+    if not nodes:
+        return ["no qpass::nvfp4_qdq node in the graph"]
+    bad = []
+    for n in nodes:
+        amax = n.args[1]
+        if not (isinstance(amax, torch.fx.Node) and amax.target == q.group_amax.default):
+            bad.append(f"{n.name}: amax input is not a qpass::group_amax node")
+        elif n.args[0] not in amax.args[0]:
+            bad.append(f"{n.name}: its weight is not a member of its group_amax")
+        for user in n.users:
+            if not (user.op == "call_function" and user.target in LINEAR_TARGETS and user.args[1] is n):
+                bad.append(f"{n.name}: feeds {user.name}, which is not a linear weight input")
+    return bad
+
+
+@graph_property("act_qdq")
+def _act_qdq(qg: QGraph) -> list[str]:
+    q = _ops()
+    return [] if qg.call_nodes(q.nvfp4_act_qdq.default) else ["no qpass::nvfp4_act_qdq node in the graph"]
+
+
+def _nvfp4_linear_nodes(qg: QGraph) -> list[torch.fx.Node]:
+    return qg.call_nodes(_ops().nvfp4_linear.default)
+
+
+@graph_property("nvfp4_lowered")
+def _nvfp4_lowered(qg: QGraph) -> list[str]:
+    nodes = _nvfp4_linear_nodes(qg)
+    if not nodes:
+        return ["no qpass::nvfp4_linear node in the graph"]
+    bad = []
+    for n in nodes:
+        codes, scales, s_dec = (qg.gm.get_buffer(str(a.target)) for a in n.args[1:4])
+        k = codes.shape[-1] * 2
+        if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or s_dec.dtype != torch.float32:
+            bad.append(f"{n.name} ({n.args[5]}): constant dtypes {codes.dtype}/{scales.dtype}/{s_dec.dtype}")
+        elif scales.shape != (codes.shape[0], k // 16) or s_dec.dim() != 0:
+            bad.append(f"{n.name} ({n.args[5]}): constant shapes {tuple(codes.shape)}/{tuple(scales.shape)}/{tuple(s_dec.shape)}")
+        if n.args[5] != n.meta.get("qpass_linear_site"):
+            bad.append(f"{n.name}: site argument {n.args[5]!r} != stamp {n.meta.get('qpass_linear_site')!r}")
+    return bad
+
+
+@graph_property("rac")
+def _rac(qg: QGraph) -> list[str]:
+    nodes = [n for n in _nvfp4_linear_nodes(qg) if n.args[7] > 0]
+    if not nodes:
+        return ["no qpass::nvfp4_linear node with rac_ratio > 0"]
+    return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if n.args[6] == "none"]
+
+
+@graph_property("mxfp4_lowered")
+def _mxfp4_lowered(qg: QGraph) -> list[str]:
+    nodes = qg.call_nodes(_ops().mxfp4_linear.default)
+    if not nodes:
+        return ["no qpass::mxfp4_linear node in the graph"]
+    bad = []
+    for n in nodes:
+        codes, scales = (qg.gm.get_buffer(str(a.target)) for a in n.args[1:3])
+        if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (codes.shape[0], codes.shape[1] * 2 // 32):
+            bad.append(f"{n.name} ({n.args[4]}): constants {codes.dtype}{tuple(codes.shape)} / {scales.dtype}{tuple(scales.shape)}")
+    return bad
+
+
+@graph_property("fp8_lowered")
+def _fp8_lowered(qg: QGraph) -> list[str]:
+    nodes = qg.call_nodes(_ops().fp8_linear.default)
+    if not nodes:
+        return ["no qpass::fp8_linear node in the graph"]
+    bad = []
+    for n in nodes:
+        data = qg.gm.get_buffer(str(n.args[1].target))
+        if data.dtype != torch.float8_e4m3fn:
+            bad.append(f"{n.name}: weight constant dtype {data.dtype}")
+    return bad

@@ -1,0 +1,228 @@
+"""Learner/rollout parity checker: structural and bit-level checks on two rewritten graphs.
+
+* **structural**: every rollout site quantized with NVFP4 weights has a learner site whose graph
+  feeds its linear through ``qpass.nvfp4_qdq`` with the same spec and the same fused group (read off
+  the learner graph's ``group_amax`` inputs, not trusted from metadata); and the site-level dataflow
+  of both graphs (which linear's output reaches which linear's input; built with networkx, KV-cache
+  writes followed through the mutated buffer) is the same graph, matched by site id.
+* **bit-level** (``weights_bitexact``): for every weight group, the learner's QDQ and the rollout's
+  stored codes / scale bytes / global-scale bits are identical (SPEC §3 rule 4, canonicalised), and
+  the learner op's dequantized weight equals the decode of the rollout's bytes bit for bit. On a
+  mismatch the checker names the sites and counts and, when the rollout bytes follow another
+  library's arithmetic, which one (:func:`qpass.parity.identify.identify`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import networkx as nx
+import torch
+
+from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear
+from qpass.graph.qgraph import QGraph
+from qpass.graph.sites import LINEAR_TARGETS
+from qpass.quant import qdq  # noqa: F401
+from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
+from qpass.parity.object import ParityDiff, compare_parity, parity_object, parity_object_from_parts
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StructuralReport:
+    """Result of :func:`check_structural`."""
+
+    ok: bool
+    problems: list[str]
+    rollout_quantized: int
+    learner_qdq: int
+    matched: int
+    topology_ok: bool
+    topology_diff: dict[str, list[str]]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GroupParity:
+    """Bit-level comparison of one fused weight group."""
+
+    group: str
+    sites: list[str]
+    diffs: list[ParityDiff]
+    dequant_equal: bool
+    divergence: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.dequant_equal and all(d.ok for d in self.diffs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.group, "ok": self.ok, "dequant_equal": self.dequant_equal, "divergence": self.divergence,
+            "sites": {d.name: {"differing_codes": d.differing_codes, "differing_scales": d.differing_scales,
+                               "global_differs": d.global_differs, "first_code": d.first_code,
+                               "first_scale": d.first_scale, "total_codes": d.total_codes,
+                               "total_scales": d.total_scales} for d in self.diffs},
+        }
+
+
+@dataclasses.dataclass
+class BitexactReport:
+    """Result of :func:`check_weights_bitexact`."""
+
+    ok: bool
+    groups: list[GroupParity]
+    skipped: list[str]
+
+    @property
+    def mismatched_groups(self) -> list[str]:
+        return [g.group for g in self.groups if not g.ok]
+
+    def failures(self) -> list[str]:
+        out = []
+        for g in self.groups:
+            for d in g.diffs:
+                if not d.ok:
+                    out.append(d.summary() + (f" [looks like {g.divergence}]" if g.divergence else ""))
+            if not g.dequant_equal and all(d.ok for d in g.diffs):
+                out.append(f"{g.group}: learner QDQ output != decode of rollout bytes")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- structure
+def _learner_qdq_sites(learner: QGraph) -> dict[str, dict[str, Any]]:
+    """site -> {spec, group_members (weight attr paths)} read off the learner graph itself."""
+    qdq_op, amax_op = torch.ops.qpass.nvfp4_qdq.default, torch.ops.qpass.group_amax.default
+    out: dict[str, dict[str, Any]] = {}
+    for n in learner.gm.graph.nodes:
+        if n.op != "call_function" or n.target not in LINEAR_TARGETS:
+            continue
+        w = n.args[1]
+        if isinstance(w, torch.fx.Node) and w.target == qdq_op:
+            site = n.meta.get("qpass_linear_site")
+            amax = w.args[1]
+            members = [str(m.target) for m in amax.args[0]] if getattr(amax, "target", None) == amax_op else []
+            out[site] = {"spec": "nvfp4.weight.per_tensor", "members": sorted(members), "weight": str(w.args[0].target),
+                         "site_arg": w.args[2]}
+    return out
+
+
+def site_dataflow(qg: QGraph) -> nx.DiGraph:
+    """Directed graph over linear sites: edge a -> b when a's output reaches b's input.
+
+    Paths through non-linear nodes are followed; an in-place write into a buffer (KV cache) makes
+    later readers of that buffer depend on what was written.
+    """
+    from qpass.graph.qgraph import quantized_linear_targets
+
+    lin_targets = set(LINEAR_TARGETS) | set(quantized_linear_targets())
+    up: dict[torch.fx.Node, frozenset[str]] = {}
+    g = nx.DiGraph()
+    for n in qg.gm.graph.nodes:
+        deps: set[str] = set()
+        for a in n.all_input_nodes:
+            deps |= up.get(a, frozenset())
+        sid = n.meta.get("qpass_linear_site") if n.op == "call_function" and n.target in lin_targets else None
+        if sid is not None:
+            g.add_node(sid)
+            x = n.args[0]
+            for a in (x.all_input_nodes if isinstance(x, torch.fx.Node) and x.meta.get("qpass_act_site") else [x]):
+                for d in up.get(a, frozenset()) if isinstance(a, torch.fx.Node) else ():
+                    g.add_edge(d, sid)
+            up[n] = frozenset({sid})
+        else:
+            up[n] = frozenset(deps)
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and n.args and isinstance(n.args[0], torch.fx.Node) and schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+            up[n.args[0]] = frozenset(up.get(n.args[0], frozenset()) | deps)
+    return g
+
+
+def check_structural(learner: QGraph, rollout: QGraph) -> StructuralReport:
+    """Structural parity (see module docstring)."""
+    problems: list[str] = []
+    lsites = _learner_qdq_sites(learner)
+    matched = 0
+    rq = {s: r for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear"}
+    for sid, rec in rq.items():
+        ls = lsites.get(sid)
+        if ls is None:
+            problems.append(f"{sid}: rollout uses NVFP4 weights but the learner graph has no nvfp4_qdq on this site")
+            continue
+        if ls["site_arg"] != sid:
+            problems.append(f"{sid}: learner qdq node carries site {ls['site_arg']!r}")
+        if rec["spec"] != ls["spec"]:
+            problems.append(f"{sid}: spec learner={ls['spec']} rollout={rec['spec']}")
+        r_members = sorted(rollout.sites[m].weight for m in rec["members"])
+        if r_members != ls["members"]:
+            problems.append(f"{sid}: fused group differs: learner shares amax with {ls['members']}, rollout with {r_members}")
+            continue
+        matched += 1
+    for sid in lsites:
+        if sid not in rq:
+            problems.append(f"{sid}: learner fake-quantizes this weight but the rollout does not run it in NVFP4")
+    gl, gr = site_dataflow(learner), site_dataflow(rollout)
+    el, er = set(gl.edges), set(gr.edges)
+    topo = {"only_learner": sorted(f"{a}->{b}" for a, b in el - er)[:20],
+            "only_rollout": sorted(f"{a}->{b}" for a, b in er - el)[:20]}
+    topology_ok = set(gl.nodes) == set(gr.nodes) and el == er
+    if not topology_ok:
+        problems.append(f"site dataflow differs: {len(el - er)} edges only in learner, {len(er - el)} only in rollout")
+    return StructuralReport(not problems, problems, len(rq), len(lsites), matched, topology_ok, topo)
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+def _divergence(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, w: torch.Tensor, amax: torch.Tensor) -> str | None:
+    try:
+        from qpass.parity.identify import identify
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        res = identify(codes, scales, s_dec, w, global_is="decode", amax=amax)
+    except Exception as exc:  # noqa: BLE001 - identification is best effort on top of a failure
+        log.debug("identify failed: %s", exc)
+        return None
+    return ", ".join(res.matches) if res.matches else "no known convention"
+
+
+@torch.no_grad()
+def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_divergence: bool = True) -> BitexactReport:
+    """Bit-level parity of every NVFP4 weight group between learner and rollout (see module docstring)."""
+    lparams = dict(learner.gm.named_parameters(remove_duplicate=False))
+    groups: dict[str, list[str]] = {}
+    for sid, rec in rollout.quant.items():
+        if rec.get("kind") == "nvfp4_linear":
+            groups.setdefault(rec["group"], []).append(sid)
+    out, skipped = [], []
+    for gid, sids in groups.items():
+        if any(learner.quant.get(s, {}).get("kind") != "weight_qdq" for s in sids):
+            skipped.append(gid)
+            continue
+        ws = [lparams[learner.quant[s]["weight"]].detach() for s in sids]
+        lmembers = learner.quant[sids[0]]["members"]
+        if sorted(lmembers) != sorted(sids):
+            ws_all = [lparams[learner.sites[m].weight].detach() for m in lmembers]
+        else:
+            ws_all = ws
+        amax = torch.ops.qpass.group_amax(ws_all)  # the op the learner graph runs
+        diffs, deq_ok, div = [], True, None
+        for sid, w in zip(sids, ws):
+            c = rollout.quant[sid]["constants"]
+            codes, scales, s_dec = (rollout.gm.get_buffer(c[k]) for k in ("codes", "scales", "s_dec"))
+            mine = parity_object(nvfp4_quantize(w, amax, site=sid), sid)
+            theirs = parity_object_from_parts(codes, scales, s_dec, sid)
+            d = compare_parity(mine, theirs, sid)
+            diffs.append(d)
+            w_hat = torch.ops.qpass.nvfp4_qdq(w, amax, sid)
+            deq = nvfp4_dequantize(NVFP4Tensor.from_parts(codes, scales, s_dec), w.dtype)
+            same = bool(torch.equal(w_hat.view(torch.int16) if w_hat.dtype == torch.bfloat16 else w_hat, deq.view(torch.int16) if deq.dtype == torch.bfloat16 else deq))
+            deq_ok &= same
+            if (not d.ok) and identify_divergence and div is None:
+                div = _divergence(codes, scales, s_dec, w, amax)
+        out.append(GroupParity(gid, sids, diffs, deq_ok, div))
+    return BitexactReport(all(g.ok for g in out) and bool(out), out, skipped)

@@ -1,0 +1,92 @@
+"""``residual_compensation`` (rollout): RAC on the input of targeted W4A4 linears (SPEC §2).
+
+Rewrites the arguments of existing ``qpass.nvfp4_linear`` nodes (it requires ``nvfp4_lowered``)::
+
+    qpass.nvfp4_linear(x, ..., act="nvfp4", rac_ratio=0.0, ...)
+      -> qpass.nvfp4_linear(x, ..., act="nvfp4", rac_ratio=0.5, rac_mode="masked", rac_selection="batch", None)
+
+``selection: static`` calibrates: it runs the calibration inputs the caller provides through the
+graph, scores the channels of each site's residual over all calibration tokens with the exact
+integer score of :mod:`qpass.quant.rac`, and stores the top-k channels as an int64 constant.
+QUADS applies k = 50% on the gate/up input (the default targets).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+import torch
+
+from qpass.errors import PassError
+from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
+from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear / qpass::fp8_linear
+from qpass.graph.qgraph import QGraph
+from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.rac import channel_scores, rac_num_channels, topk_channels
+
+from qpass.passes.common import finish, selected
+
+
+class RACOptions(PassOptions):
+    targets: list[str] = ["*.mlp.gate_proj", "*.mlp.up_proj"]
+    ratio: float = pydantic.Field(0.5, ge=0.0, le=1.0)
+    mode: Literal["masked", "gathered"] = "masked"
+    selection: Literal["batch", "token", "static"] = "batch"
+
+
+def static_channels(x: torch.Tensor, per_token: bool, ratio: float) -> torch.Tensor:
+    """Calibrated RAC channels of activations ``x`` [M, K]: exact top-k residual energy."""
+    spec = NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
+    q = nvfp4_quantize(x, spec=spec)
+    r = x.float() - nvfp4_dequantize(q, torch.bfloat16).float()
+    return topk_channels(channel_scores(r, q.amax.amax()), rac_num_channels(x.shape[-1], ratio))
+
+
+@register_pass
+class ResidualCompensation(Pass):
+    """Enable residual activation compensation on targeted W4A4 sites."""
+
+    name = "residual_compensation"
+    Options = RACOptions
+    sides = ("rollout",)
+    requires = ("nvfp4_lowered",)
+    ensures = ("rac",)
+
+    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
+        o = self.options
+        res = PassResult(self.name, qg.side)
+        sites, res.skipped = selected(qg, o, need_nvfp4=True)
+        op = torch.ops.qpass.nvfp4_linear.default
+        todo: dict[str, list[torch.fx.Node]] = {}
+        for s in sites:
+            nodes = [n for n in qg.nodes_of_site(s.id) if n.target == op]
+            if not nodes:
+                res.skipped.append((s.id, "not lowered to qpass.nvfp4_linear"))
+            elif any(n.args[6] == "none" for n in nodes):
+                res.skipped.append((s.id, "W4A16 site: its activations are not quantized, nothing to compensate"))
+            else:
+                todo[s.id] = nodes
+        calib = {}
+        if o.selection == "static" and todo:
+            if ctx.calibration is None:
+                raise PassError("residual_compensation with selection: static needs calibration inputs (none given)")
+            calib = ctx.calibration(qg, list(todo))
+        for sid, nodes in todo.items():
+            ch_node = None
+            if o.selection == "static":
+                if sid not in calib:
+                    raise PassError(f"calibration produced no activations for site {sid}")
+                ch = static_channels(calib[sid], nodes[0].args[6] == "nvfp4_per_token", o.ratio)
+                ch_node = qg.add_constant("qpass_rac__" + sid + "__channels", ch, before=nodes[0])
+            for n in nodes:
+                args = list(n.args)
+                args[7:11] = [float(o.ratio), o.mode, o.selection, ch_node]
+                n.args = tuple(args)
+            qg.quant[sid]["rac"] = {"ratio": o.ratio, "mode": o.mode, "selection": o.selection}
+            res.sites.append(sid)
+        res.matches = len(res.sites)
+        res.changed = res.matches > 0
+        finish(qg)
+        return res

@@ -1,0 +1,81 @@
+"""``weight_qdq`` (learner): NVFP4 weight fake-quant with a straight-through estimator.
+
+Before::
+
+    w = get_attr[model.layers.0.self_attn.q_proj.weight]
+    y = aten.linear(x, w)
+
+After (one ``group_amax`` per fused group, recomputed on every forward from the current weights,
+SPEC rule 2)::
+
+    amax = qpass.group_amax([w_q, w_k, w_v])
+    w_hat = qpass.nvfp4_qdq(w_q, amax, "model.layers.0.self_attn.q_proj")
+    y = aten.linear(x, w_hat)
+
+Backward through ``nvfp4_qdq`` is the identity (STE), so the optimizer updates the BF16 master
+weights. The rollout's ``w4a4_lower`` quantizes with the same function, the same groups and the same
+amax rule, which is what makes ``Delta W_q`` identical on both sides (QUADS learner side).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.graph.qgraph import QGraph
+from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.quant import qdq  # noqa: F401 - registers the ops
+
+from qpass.passes.common import aten_linear_nodes, copy_meta, finish, graph_order, grouped, selected
+
+
+class WeightQDQOptions(PassOptions):
+    format: Literal["nvfp4"] = "nvfp4"
+
+
+@register_pass
+class WeightQDQ(Pass):
+    """Insert STE NVFP4 QDQ on every targeted linear weight (learner)."""
+
+    name = "weight_qdq"
+    Options = WeightQDQOptions
+    sides = ("learner",)
+    requires = ("sites_stamped",)
+    ensures = ("weight_qdq",)
+
+    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
+        res = PassResult(self.name, qg.side)
+        sites, res.skipped = selected(qg, self.options, need_nvfp4=True)
+        g = qg.gm.graph
+        order = graph_order(qg)
+        for gid, members in grouped(sites).items():
+            nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
+            for s in members:
+                if not nodes[s.id]:
+                    res.skipped.append((s.id, "no unrewritten aten.linear node (already quantized?)"))
+            members = [s for s in members if nodes[s.id]]
+            if not members:
+                continue
+            first = min((n for s in members for n in nodes[s.id]), key=order.__getitem__)
+            w_nodes = [nodes[s.id][0].args[1] for s in members]
+            with g.inserting_before(first):
+                amax = g.call_function(torch.ops.qpass.group_amax.default, (w_nodes,))
+            amax.meta.update(qpass_site=gid, qpass_group=gid)
+            for s in members:
+                for lin in nodes[s.id]:
+                    with g.inserting_before(lin):
+                        w_hat = g.call_function(torch.ops.qpass.nvfp4_qdq.default, (lin.args[1], amax, s.id))
+                    copy_meta(lin.args[1], w_hat, qpass_site=s.id, qpass_qdq_site=s.id)
+                    lin.update_arg(1, w_hat)
+                qg.quant[s.id] = {
+                    "kind": "weight_qdq", "spec": NVFP4_WEIGHT.key, "group": gid,
+                    "members": [m.id for m in members], "weight": s.weight,
+                }
+                res.sites.append(s.id)
+        res.matches = len(res.sites)
+        res.changed = res.matches > 0
+        res.details["groups"] = len({qg.quant[s]["group"] for s in res.sites})
+        finish(qg)
+        return res

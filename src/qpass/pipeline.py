@@ -1,0 +1,102 @@
+"""The main job's building blocks: load a model, capture both graphs once, apply a recipe's passes.
+
+    pipe = Pipeline.prepare("default", batch_size=16, max_len=96)
+    learner, rollout = pipe.build(load_recipe("quads_nvfp4"))
+    # learner: QGraph(kind="scoring", side="learner"); rollout: QGraph(kind="step", side="rollout")
+
+Each :meth:`Pipeline.build` clones the captured base graphs (own parameters and buffers) and runs
+the recipe's learner and rollout pass lists through the :class:`qpass.pm.PassManager`, so several
+recipes can be built from one capture (the base graphs stay untouched and serve as the BF16
+engine-drift floor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from qpass.errors import CaptureError
+from qpass.graph.capture import capture_scoring, capture_step
+from qpass.graph.model import LoadedModel, load_model
+from qpass.graph.qgraph import QGraph
+from qpass.pm import PassContext, PassManager
+from qpass.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """A loaded model and its two captured base graphs.
+
+    Attributes:
+        loaded: model + tokenizer.
+        base_scoring: captured scoring graph (side ``base``; shares parameters with the model).
+        base_step: captured step graph with a static KV cache of ``max_len`` for ``batch_size`` rows.
+        timings: seconds spent loading and capturing.
+    """
+
+    loaded: LoadedModel
+    base_scoring: QGraph
+    base_step: QGraph
+    timings: dict[str, float]
+
+    @classmethod
+    def prepare(
+        cls,
+        model: str = "default",
+        *,
+        dtype: str | torch.dtype = "bf16",
+        device: str = "cpu",
+        batch_size: int = 16,
+        max_len: int = 96,
+        loaded: LoadedModel | None = None,
+    ) -> "Pipeline":
+        """Load ``model`` (unless ``loaded`` is given) and capture the scoring and step graphs."""
+        dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        lm = loaded or load_model(model, dtype=dt, device=device)
+        timings["load_s"] = time.perf_counter() - t0
+        sc = QGraph.from_capture(capture_scoring(lm.model))
+        if not sc.sites:
+            raise CaptureError(
+                f"{lm.name}: the captured graph has no linear projection (aten.linear with a weight parameter); "
+                "qpass quantizes linear layers, so there is nothing to do"
+            )
+        st = QGraph.from_capture(capture_step(lm.model, batch_size=batch_size, max_len=max_len, opaque=sc.captured.opaque))
+        timings["capture_scoring_s"], timings["capture_step_s"] = sc.captured.export_s, st.captured.export_s
+        return cls(lm, sc, st, timings)
+
+    def build(
+        self,
+        recipe: Recipe,
+        *,
+        debug: bool = True,
+        reproducer_dir: Path | None = None,
+        calibration: object | None = None,
+    ) -> tuple[QGraph, QGraph]:
+        """Clone the base graphs and apply ``recipe`` (learner passes, then rollout passes).
+
+        Raises:
+            RecipeError, PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
+        """
+        ctx = PassContext(debug=debug, reproducer_dir=reproducer_dir, calibration=calibration, recipe_path=recipe.path)
+        learner = self.base_scoring.clone("learner")
+        for p in learner.gm.parameters():
+            p.requires_grad_(True)
+        rollout = self.base_step.clone("rollout")
+        PassManager(recipe.learner, side="learner").run(learner, ctx)
+        PassManager(recipe.rollout, side="rollout").run(rollout, ctx)
+        return learner, rollout
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.loaded.tokenizer

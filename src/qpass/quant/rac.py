@@ -1,0 +1,206 @@
+"""Residual activation compensation (RAC), reference semantics (SPEC §2, QUADS Eq. 21).
+
+For the GEMM input ``X`` ([M, K], one row per token of the current forward batch):
+
+    X_hat = DQ(Q_A(X))                         bf16 (SPEC §3 dequant)
+    R     = fl(float(X) - float(X_hat))        float32 residual
+    score: channel j's residual energy, computed *exactly* (see :func:`channel_scores`)
+    S     = the k = floor(ratio * K) channels with the largest score; ties -> lower channel index
+    masked:   R_hat = M_S * DQ(Q_R(R))          Q_R quantizes all of R in 1x16 blocks, then mask
+    gathered: G = R[:, sorted(S)] zero-padded to K' = ceil16(k); R_hat_g = DQ(Q_R(G)) [M, K']
+    GEMM input: X_tilde = X_hat + R_hat        (kept as two bf16 operands: two fp32 accumulations)
+
+``Q_R`` is an NVFP4 quantizer with its own dynamic global scale from ``amax`` of the tensor it
+quantizes (all of R in masked mode, the gathered G in gathered mode), per tensor or per token like
+the activation quantizer.
+
+**Exact scores.** Top-k selection must be identical in every implementation (else the residual
+bytes differ), and a float sum of squares depends on summation order. qpass therefore scores a
+channel by a fixed-point integer sum: ``t_ij = floor(fl(R_ij^2) * 2^shift)`` as int64 and
+``score_j = sum_i t_ij`` (integer addition is associative, so any order, blocking or atomics give
+the same bits). ``shift = clamp(61 - ceil(log2 M) - 2*e_a, -100, 100)`` where
+``amax(X) = f * 2^e_a`` (frexp); since ``|R| <= |X| (1 + 2^-7)`` every term is
+``< 2^(62 - ceil(log2 M))`` and the sum cannot overflow. The ranking equals the L2-norm ranking
+up to the fixed-point resolution (~2^-50 of the largest term). ``selection: token`` ranks each row
+by ``|R_ij|`` (exact, no sum). ``selection: static`` takes calibrated channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+from typing import Literal
+
+import torch
+
+from qpass.errors import QuantizationError
+from qpass.formats.spec import NVFP4Spec
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
+
+RACMode = Literal["masked", "gathered"]
+RACSelection = Literal["batch", "token", "static"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RACConfig:
+    """Options of one RAC site (recipe keys of the ``residual_compensation`` pass).
+
+    Attributes:
+        ratio: fraction of the K input channels compensated, in [0, 1] (QUADS: 0.5).
+        mode: ``masked`` (quantize all of R, then mask) or ``gathered`` (quantize the selected
+            channels as their own blocks; compensation GEMM costs ~K').
+        selection: ``batch`` (top-k over the whole forward batch), ``token`` (per row,
+            batch-invariant selection) or ``static`` (calibrated channels).
+    """
+
+    ratio: float
+    mode: RACMode = "masked"
+    selection: RACSelection = "batch"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.ratio) <= 1.0:
+            raise ValueError(f"RAC ratio must be in [0, 1], got {self.ratio}")
+        if self.mode not in ("masked", "gathered"):
+            raise ValueError(f"RAC mode must be 'masked' or 'gathered', got {self.mode!r}")
+        if self.selection not in ("batch", "token", "static"):
+            raise ValueError(f"RAC selection must be 'batch', 'token' or 'static', got {self.selection!r}")
+
+
+def rac_num_channels(k: int, ratio: float) -> int:
+    """``floor(ratio * K)`` with ``ratio`` read as the decimal it was written as (0.3 * 10 = 3)."""
+    return min(k, math.floor(Fraction(repr(float(ratio))) * k))
+
+
+def ceil16(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+def score_shift(amax_x: torch.Tensor, rows: int) -> int:
+    """The fixed-point exponent of :func:`channel_scores` (see module docstring)."""
+    a = float(amax_x)
+    if a == 0.0:
+        return 0
+    _, e_a = math.frexp(a)
+    c = max(0, math.ceil(math.log2(rows))) if rows > 1 else 0
+    return max(-100, min(100, 61 - c - 2 * e_a))
+
+
+def residual_terms(r: torch.Tensor, shift: int) -> torch.Tensor:
+    """int64 ``floor(fl(r*r) * 2^shift)`` elementwise (r float32)."""
+    sq = r * r
+    scaled = torch.ldexp(sq, torch.tensor(shift, dtype=torch.int32, device=r.device))
+    return torch.floor(scaled).to(torch.int64)
+
+
+def channel_scores(r: torch.Tensor, amax_x: torch.Tensor) -> torch.Tensor:
+    """Exact per-channel residual energy of ``r`` [M, K] (float32) -> int64 [K]."""
+    return residual_terms(r, score_shift(amax_x, r.shape[0])).sum(dim=0)
+
+
+def topk_channels(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest scores along the last dim, ties to the lower index, sorted ascending."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(order, dim=-1).values
+
+
+@dataclasses.dataclass(frozen=True)
+class RACResult:
+    """Everything the two GEMM accumulations need, plus what diagnostics read.
+
+    Attributes:
+        x_hat: bf16 [M, K] = DQ(Q_A(X)).
+        comp: bf16 compensation operand: [M, K] (masked, zeros outside S) or [M, K'] (gathered).
+        channels: int64 selected channels: [k] (batch/static) or [M, k] (token), sorted ascending.
+        gather_index: gathered mode only: int64 [K'] or [M, K'] channel index per compensation
+            column, -1 for zero padding; None in masked mode.
+        qa, qr: the activation and residual quantizations (for parity tests and kernels).
+        residual: float32 R [M, K].
+    """
+
+    x_hat: torch.Tensor
+    comp: torch.Tensor
+    channels: torch.Tensor
+    gather_index: torch.Tensor | None
+    qa: NVFP4Tensor
+    qr: NVFP4Tensor
+    residual: torch.Tensor
+
+
+def rac_reference(
+    x: torch.Tensor,
+    cfg: RACConfig,
+    act_spec: NVFP4Spec,
+    *,
+    static_channels: torch.Tensor | None = None,
+    site: str | None = None,
+) -> RACResult:
+    """Quantize an activation with residual compensation (reference, plain torch).
+
+    Args:
+        x: bf16/fp16/fp32 [M, K], K % 16 == 0, finite.
+        cfg: ratio / mode / selection.
+        act_spec: activation NVFP4 spec (per-tensor or per-token dynamic global scale); Q_R uses
+            the same global scope.
+        static_channels: int64 [k] channel ids, required for ``selection='static'``.
+        site: names the site in errors.
+    Returns:
+        :class:`RACResult`.
+    Raises:
+        QuantizationError: bad input (see :func:`nvfp4_quantize`), or static selection without
+            channels / with out-of-range channels.
+    """
+    if x.dim() != 2:
+        raise QuantizationError(f"rac_reference expects [M, K], got shape={tuple(x.shape)} at site {site}")
+    m, k_dim = x.shape
+    qa = nvfp4_quantize(x, spec=act_spec, name="activation", site=site)
+    x_hat = nvfp4_dequantize(qa, torch.bfloat16)
+    r = x.float() - x_hat.float()
+    k = rac_num_channels(k_dim, cfg.ratio)
+    if cfg.selection == "static":
+        if static_channels is None:
+            raise QuantizationError(f"RAC selection 'static' needs calibrated channels at site {site}")
+        ch = torch.sort(static_channels.to(torch.int64).to(x.device)).values
+        if ch.numel() and (int(ch.min()) < 0 or int(ch.max()) >= k_dim):
+            raise QuantizationError(f"static RAC channels out of range [0, {k_dim}) at site {site}")
+    elif cfg.selection == "batch":
+        ch = topk_channels(channel_scores(r, qa.amax.amax()), k)
+    else:  # token: rank each row by |R_ij| (exact)
+        ch = topk_channels(r.abs(), k)
+    per_token = act_spec.global_scope == "per_token"
+    if cfg.mode == "masked":
+        qr = nvfp4_quantize(r, spec=act_spec, name="residual", site=site)
+        r_hat = nvfp4_dequantize(qr, torch.float32)
+        mask = torch.zeros(m, k_dim, dtype=torch.bool, device=x.device)
+        if ch.dim() == 1:
+            mask[:, ch] = True
+        else:
+            mask.scatter_(1, ch, True)
+        comp = torch.where(mask, r_hat, torch.zeros_like(r_hat)).to(torch.bfloat16)
+        return RACResult(x_hat, comp, ch, None, qa, qr, r)
+    kp = max(ceil16(ch.shape[-1]), BLOCK)
+    if ch.dim() == 1:
+        index = torch.full((kp,), -1, dtype=torch.int64, device=x.device)
+        index[: ch.numel()] = ch
+        g = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
+        g[:, : ch.numel()] = r[:, ch]
+    else:
+        index = torch.full((m, kp), -1, dtype=torch.int64, device=x.device)
+        index[:, : ch.shape[1]] = ch
+        g = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
+        g[:, : ch.shape[1]] = torch.gather(r, 1, ch)
+    del per_token  # Q_R follows act_spec's global scope via the spec itself
+    qr = nvfp4_quantize(g, spec=act_spec, name="residual", site=site)
+    comp = nvfp4_dequantize(qr, torch.bfloat16)
+    return RACResult(x_hat, comp, ch, index, qa, qr, r)
+
+
+def scatter_gathered(comp: torch.Tensor, index: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """Dense [M, K] float32 compensation from a gathered operand ([M, K'] + index [K'] or [M, K'])."""
+    m = comp.shape[0]
+    dense = torch.zeros(m, k_dim + 1, dtype=torch.float32, device=comp.device)  # column K = padding sink
+    idx = index.clamp(min=-1) % (k_dim + 1)  # -1 -> K
+    if idx.dim() == 1:
+        idx = idx.unsqueeze(0).expand(m, -1)
+    dense.scatter_add_(1, idx, comp.float())
+    return dense[:, :k_dim]

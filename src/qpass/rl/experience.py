@@ -1,0 +1,197 @@
+"""One GRPO step's sampled data as a single left-padded batch, and learner scoring of it.
+
+The rollout graph has a static batch ``B``, so a step's ``prompts_per_step * group_size`` rows are
+sampled in chunks (:class:`qpass.runtime.RolloutBatch` each, with its own padded prompt width
+and response width). :func:`assemble` drops the filler rows of partial chunks and re-pads every
+chunk to one common layout::
+
+    input_ids       int64 [N, P + R]   prompt left-padded to P, response right-padded to R
+    attention_mask  int64 [N, P + R]   1 on real prompt tokens and sampled response tokens
+    response_mask   bool  [N, R]       tokens that enter the loss (valid sampled tokens)
+    logq            f32   [N, R]       behaviour log-probs recorded at sampling time (0 off-mask)
+
+Extra left padding does not change any position id (positions are ``cumsum(mask) - 1``), so the
+learner sees exactly the sequences the rollout produced. ``R`` is ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from qpass.sampling import positions_from_mask, sampling_logprobs
+
+__all__ = ["Experience", "assemble", "decode_responses", "micro_batches", "response_logprobs"]
+
+
+@dataclasses.dataclass
+class Experience:
+    """Sampled rows of one step in the common layout (see module docstring).
+
+    Attributes:
+        input_ids: int64 ``[N, P + R]``.
+        attention_mask: int64 ``[N, P + R]``.
+        prompt_len: ``P``.
+        response_mask: bool ``[N, R]``: loss tokens (``sampled_mask`` minus any loss masking,
+            e.g. truncated responses under ``mask_truncated``).
+        sampled_mask: bool ``[N, R]``: every token the rollout sampled (up to and including EOS).
+        logq: float32 ``[N, R]``: ``log q`` of the sampled tokens (0 where not sampled).
+        finished: bool ``[N]``: the response ended with an EOS token inside ``R``.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    response_mask: torch.Tensor
+    sampled_mask: torch.Tensor
+    logq: torch.Tensor
+    finished: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        """Rows ``N``."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        """``R``."""
+        return int(self.response_mask.shape[1])
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """int64 ``[N, R]`` response token ids (pad after EOS)."""
+        return self.input_ids[:, self.prompt_len:]
+
+    def select(self, idx: torch.Tensor | Sequence[int]) -> "Experience":
+        """Rows ``idx`` (same layout, same ``P`` and ``R``)."""
+        i = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
+        return Experience(self.input_ids[i], self.attention_mask[i], self.prompt_len, self.response_mask[i],
+                          self.sampled_mask[i], self.logq[i], self.finished[i])
+
+
+def assemble(batches: Sequence[object], *, pad_token_id: int, eos_token_ids: Sequence[int], max_new_tokens: int) -> Experience:
+    """Concatenate rollout chunks (real rows only) into one :class:`Experience`.
+
+    Args:
+        batches: :class:`qpass.runtime.RolloutBatch` es in row order (``input_ids``,
+            ``attention_mask``, ``prompt_len``, ``response_mask``, ``logq``, ``n_real``).
+        pad_token_id: id written into new padding.
+        eos_token_ids: ids that end a response (``finished``).
+        max_new_tokens: ``R``; every chunk's response width must be ``<= R``.
+    Returns:
+        :class:`Experience` on the device of the first chunk.
+    Raises:
+        ValueError: no chunks, a chunk wider than ``max_new_tokens``, or inconsistent shapes.
+    """
+    if not batches:
+        raise ValueError("assemble: no rollout batches")
+    p_max = max(int(b.prompt_len) for b in batches)
+    r_max = int(max_new_tokens)
+    ids, am, rm, lq = [], [], [], []
+    for k, b in enumerate(batches):
+        n, p = int(b.n_real), int(b.prompt_len)
+        r = int(b.response_mask.shape[1])
+        if r > r_max:
+            raise ValueError(f"assemble: chunk {k} has {r} response tokens > max_new_tokens={r_max}")
+        if tuple(b.input_ids.shape) != (b.input_ids.shape[0], p + r) or tuple(b.logq.shape) != tuple(b.response_mask.shape):
+            raise ValueError(f"assemble: chunk {k} has inconsistent shapes: input_ids {tuple(b.input_ids.shape)}, "
+                             f"prompt_len {p}, response_mask {tuple(b.response_mask.shape)}, logq {tuple(b.logq.shape)}")
+        left, right = p_max - p, r_max - r
+        ids.append(F.pad(b.input_ids[:n], (left, right), value=int(pad_token_id)))
+        am.append(F.pad(b.attention_mask[:n].long(), (left, right), value=0))
+        rm.append(F.pad(b.response_mask[:n].bool(), (0, right), value=False))
+        lq.append(F.pad(b.logq[:n].float(), (0, right), value=0.0))
+    input_ids, attention_mask = torch.cat(ids), torch.cat(am)
+    sampled = torch.cat(rm)
+    resp = input_ids[:, p_max:]
+    eos = torch.as_tensor(list(eos_token_ids), dtype=resp.dtype, device=resp.device)
+    finished = (torch.isin(resp, eos) & sampled).any(-1)
+    return Experience(input_ids, attention_mask, p_max, sampled.clone(), sampled, torch.cat(lq), finished)
+
+
+def decode_responses(tokenizer: object, exp: Experience) -> list[str]:
+    """Text of each row's sampled response tokens (special tokens such as EOS dropped)."""
+    resp, mask = exp.responses.cpu(), exp.sampled_mask.cpu()
+    return [tokenizer.decode(resp[i][mask[i]].tolist(), skip_special_tokens=True) for i in range(resp.shape[0])]
+
+
+def response_logprobs(
+    learner: torch.nn.Module,
+    exp: Experience,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Learner log-probs of the response tokens under the sampling distribution.
+
+    Scores the whole sequence with the learner (``learner(input_ids, attention_mask) -> logits``,
+    e.g. :class:`qpass.runtime.TorchLearner`) and keeps only the ``R`` positions that
+    predict response tokens before the softmax, so the ``[N, R, V]`` float32 log-softmax is the
+    only vocabulary-sized buffer. Position by position this is
+    ``TorchLearner.token_logprobs(...)[:, P - 1:]``.
+
+    Args:
+        learner: module returning logits ``[N, T, V]``.
+        exp: the rows to score.
+        temperature, top_p: the sampling distribution the rollout used (SPEC §4).
+        with_entropy: also return the entropy (nats) of that distribution at each position.
+    Returns:
+        ``(logp, entropy)``: float32 ``[N, R]`` (gradient flows if enabled) and float32 ``[N, R]``
+        detached entropy or None. Values off ``exp.sampled_mask`` are meaningless.
+    """
+    p, r = exp.prompt_len, exp.response_width
+    logits = learner(exp.input_ids, exp.attention_mask)[:, p - 1:p - 1 + r]
+    lp_all = sampling_logprobs(logits, temperature, top_p)
+    logp = lp_all.gather(-1, exp.input_ids[:, p:p + r].unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            fin = torch.isfinite(lp_all)
+            plogp = torch.where(fin, lp_all.exp() * lp_all, torch.zeros_like(lp_all))
+            ent = -plogp.sum(-1)
+    return logp, ent
+
+
+def micro_batches(n: int, size: int) -> list[torch.Tensor]:
+    """Contiguous index blocks ``[0, size), [size, 2 size), ...`` covering ``range(n)``.
+
+    Raises:
+        ValueError: ``n < 0`` or ``size < 1``.
+    """
+    if n < 0 or size < 1:
+        raise ValueError(f"micro_batches needs n >= 0 and size >= 1, got n={n}, size={size}")
+    return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def step_prefill_args(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, batch_size: int, max_len: int) -> tuple:
+    """Arguments of a step graph (static batch ``B``, cache ``L``) that prefill whole sequences.
+
+    The step graph's signature is ``(input_ids [B, T], position_ids [B, T], cache_position [T],
+    attention_mask [B, L])`` (:mod:`qpass.graph.capture`). Rows beyond ``n`` are filled with copies
+    of the last row (the caller ignores their logits), exactly as the rollout fills a partial chunk.
+
+    Args:
+        input_ids, attention_mask: int ``[n, T]`` with ``1 <= n <= B`` and ``T <= L``.
+    Returns:
+        the 4-tuple of graph arguments.
+    Raises:
+        ValueError: ``n`` or ``T`` out of range.
+    """
+    n, t = input_ids.shape
+    if not 1 <= n <= batch_size:
+        raise ValueError(f"step_prefill_args: {n} rows, the step graph takes 1..{batch_size}")
+    if t > max_len:
+        raise ValueError(f"step_prefill_args: sequence length {t} exceeds the KV cache ({max_len})")
+    if n < batch_size:
+        fill = batch_size - n
+        input_ids = torch.cat([input_ids, input_ids[-1:].expand(fill, t)])
+        attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(fill, t)])
+    am = attention_mask.long()
+    pos = positions_from_mask(am)
+    mask_l = torch.zeros(batch_size, max_len, dtype=torch.long, device=am.device)
+    mask_l[:, :t] = am
+    return input_ids, pos, torch.arange(t, device=am.device), mask_l
