@@ -98,15 +98,18 @@ def test_jsonl_nan_as_null_and_truncated_tail(tmp_path):
     p = tmp_path / "m.jsonl"
     append_jsonl(p, {"step": 1, "g": float("nan"), "x": [1.5, float("inf")], "ok": True, "t": torch.tensor(2.5)})
     append_jsonl(p, {"step": 2, "g": 0.25})
-    assert p.read_text().splitlines()[0] == '{"step":1,"g":null,"x":[1.5,null],"ok":true,"t":2.5}'
+    # one NaN policy (qpass.jsonio): null, and a KEY_reason field saying what was there
+    assert p.read_text().splitlines()[0] == ('{"step":1,"g":null,"x":[1.5,null],"ok":true,"t":2.5,'
+                                             '"g_reason":"non-finite: nan","x_reason":"non-finite: inf at [1]"}')
     with open(p, "a") as f:
         f.write('{"step":3,"g"')  # a crash mid-write leaves a truncated last line
-    assert read_jsonl(p) == [{"step": 1, "g": None, "x": [1.5, None], "ok": True, "t": 2.5}, {"step": 2, "g": 0.25}]
+    assert read_jsonl(p) == [{"step": 1, "g": None, "x": [1.5, None], "ok": True, "t": 2.5, "g_reason": "non-finite: nan",
+                              "x_reason": "non-finite: inf at [1]"}, {"step": 2, "g": 0.25}]
     p.write_text('{"a":1}\n{broken\n{"b":2}\n')
     with pytest.raises(ValueError, match=r"m.jsonl:2"):
         read_jsonl(p)
     write_json_atomic(tmp_path / "s.json", {"v": float("-inf")})
-    assert json.loads((tmp_path / "s.json").read_text()) == {"v": None}
+    assert json.loads((tmp_path / "s.json").read_text()) == {"v": None, "v_reason": "non-finite: -inf"}
     assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
 
 

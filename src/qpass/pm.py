@@ -20,7 +20,6 @@ any failure writes a reproducer (graph code + pass list + error) before re-raisi
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from qpass.errors import NoMatchError, PassError, PostconditionError, Preconditi
 from qpass.graph.properties import check_property
 from qpass.graph.qgraph import QGraph
 from qpass.graph.verify import verify
+from qpass.jsonio import dumps
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +258,9 @@ class PassManager:
         d.mkdir(parents=True, exist_ok=True)
         (d / "graph.py").write_text(qg.gm.code)
         (d / "graph.txt").write_text(str(qg.gm.graph))
-        (d / "passes.json").write_text(json.dumps(
+        (d / "passes.json").write_text(dumps(
             {"side": qg.side, "kind": qg.kind, "failed": p.name, "recipe": ctx.recipe_path,
              "passes": [q.describe() for q in self.passes], "history": [h.to_json() for h in qg.history]},
-            indent=2, default=str))
+            indent=2))
         (d / "error.txt").write_text("".join(traceback.format_exception(exc)))
         return d

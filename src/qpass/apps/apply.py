@@ -467,7 +467,7 @@ def main_apply(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-behavioral", action="store_true", help="skip sampling (structural and bit-level checks only)")
     ap.add_argument("--no-save-learner", action="store_true", help="do not write the learner state (~270 MB for the default model)")
     ap.add_argument("--no-debug", action="store_true", help="skip the graph verifier after every pass")
-    ap.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out if it is empty or a previous qpass output")
     a = ap.parse_args(argv)
     o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, prompts=a.prompts, samples=a.samples,
                      max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, floor=not a.no_floor,

@@ -1,7 +1,7 @@
 """Output directories written atomically, and the rollout / learner artifacts.
 
-* :func:`atomic_dir`: build everything in a sibling temp dir and rename it into place at the end;
-  an exception or Ctrl-C removes the temp dir, so ``DIR`` is either complete or absent.
+* :func:`atomic_dir` (re-exported from :mod:`qpass.atomic`): build everything in a sibling temp dir
+  and rename it into place at the end, the output path reserved from the start.
 * Rollout artifacts (``rollout/weights.safetensors``): per NVFP4 site ModelOpt ``modelopt_fp4``
   names — ``<site>.weight`` uint8 ``[N, K/2]`` (low nibble = even k), ``<site>.weight_scale``
   float8_e4m3fn ``[N, K/16]`` (linear layout), ``<site>.weight_scale_2`` float32 0-dim = ``S_dec``
@@ -18,85 +18,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from qpass.atomic import current_umask, write_atomic
+from qpass.atomic import atomic_dir
+from qpass.jsonio import write_json
 from qpass.errors import QpassError
 from qpass.graph.capture import site_of
 from qpass.graph.qgraph import QGraph
 
-
-@contextlib.contextmanager
-def atomic_dir(final: Path, *, force: bool = False, marker: str = "report.json") -> Iterator[Path]:
-    """Yield a temp directory that becomes ``final`` only if the block completes.
-
-    With ``force``, an existing ``final`` is replaced only if it is an empty directory or a previous
-    qpass output (it holds ``marker``): ``--force`` never deletes an unrelated directory.
-
-    Raises:
-        QpassError: ``final`` exists and ``force`` is False, or ``final`` is not replaceable.
-    """
-    final = Path(final)
-    if final.exists() and not force:
-        raise QpassError(f"output directory {final} already exists (pass --force to replace it)")
-    if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / marker).is_file())):
-        raise QpassError(f"--force replaces only an empty directory or a previous qpass output (with {marker}); "
-                         f"{final} is {'a file' if not final.is_dir() else f'a non-empty directory without {marker}'}")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-    try:
-        yield tmp
-        _umask_permissions(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{int(time.time())}"
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask_permissions(root: Path) -> None:
-    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would have.
-
-    ``tempfile.mkdtemp`` creates 0700 and safetensors' ``save_file`` writes 0600 files; a finished
-    output directory is meant to be read by others as the process umask allows (0755 / 0644 at
-    umask 022).
-    """
-    mask = current_umask()
-    for dirpath, _dirnames, filenames in os.walk(root):
-        os.chmod(dirpath, 0o777 & ~mask)
-        for name in filenames:
-            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON via a temp file + rename (never a half-written file)."""
-    write_atomic(path, json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, set | tuple):
-        return list(o)
-    return str(o)
+__all__ = ["atomic_dir", "load_learner_into", "load_rollout_into", "probe_safetensors", "rollout_tensors",
+           "save_learner", "save_rollout", "write_json"]
 
 
 def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:

@@ -29,10 +29,7 @@ import gc
 import importlib
 import logging
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -232,33 +229,6 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
         raise CliError(str(exc)) from exc
 
 
-def _finish_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Rename the finished temp dir onto ``dest`` (replacing it only with ``overwrite``)."""
-    trash = None
-    if dest.exists():
-        if not overwrite:
-            raise CliError(f"{dest} appeared while the run was going; result left in {tmp}")
-        trash = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old-"))
-        os.rename(dest, trash / dest.name)
-    os.rename(tmp, dest)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def _abandon_dir(tmp: Path, dest: Path, keep_partial: bool) -> Path | None:
-    """Delete the temp dir, or move it to ``dest.partial`` with ``keep_partial``; returns where it went."""
-    if not tmp.exists():
-        return None
-    if keep_partial:
-        part = dest.with_name(dest.name + ".partial")
-        if part.exists():
-            shutil.rmtree(part, ignore_errors=True)
-        os.rename(tmp, part)
-        return part
-    shutil.rmtree(tmp, ignore_errors=True)
-    return None
-
-
 def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
     from qpass.prompts import encode_chat
     from qpass.rl.task import format_prompt
@@ -273,53 +243,48 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
+    from qpass.atomic import atomic_dir
 
     cfg = _grpo_config(a, steps, max_time_s)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the finished run directory is meant to be shared
-    ok = False
+    out_dir = atomic_dir(dest, force=a.overwrite, marker="summary.json", keep_partial=a.keep_partial)
     try:
-        t0 = time.perf_counter()
-        learner, rollout = pipe.build(recipe)
-        build_s = time.perf_counter() - t0
-        config = {
-            "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
-            "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
-            "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "reward": a.reward,
-            "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
-        }
-        write_json_atomic(tmp / "config.json", config)
-        write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
-        trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
-                              shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
-                              layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name)
-        res = trainer.run(progress=not a.no_progress)
-        last = res.rows[-1] if res.rows else {}
-        keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
-                "clip/frac", "reward/mean", "eval/accuracy", "parity/fp_ok", "parity/bitexact_ok", "vis/code_frac")
-        rows = res.rows
-        summary = {
-            "recipe": recipe.name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
-            "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
-            "last": {k: last.get(k) for k in keys},
-            "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
-                                                                                "shadow_gap/token/g_abs", "clip/frac")},
-            "reward_failures": trainer.reward.stats(),
-            "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
-            and all(r.get("parity/bitexact_ok", True) for r in rows),
-        }
-        write_json_atomic(tmp / "summary.json", summary)
-        if not a.no_plots and rows:
-            plot_runs([tmp], tmp / "plots.png", title=f"GRPO {recipe.name}")
-        _finish_dir(tmp, dest, a.overwrite)
-        ok = True
+        with out_dir as tmp:
+            t0 = time.perf_counter()
+            learner, rollout = pipe.build(recipe)
+            build_s = time.perf_counter() - t0
+            config = {
+                "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
+                "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
+                "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "reward": a.reward,
+                "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
+            }
+            write_json_atomic(tmp / "config.json", config)
+            write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
+            trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
+                                  shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
+                                  layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name)
+            res = trainer.run(progress=not a.no_progress)
+            last = res.rows[-1] if res.rows else {}
+            keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
+                    "clip/frac", "reward/mean", "eval/accuracy", "parity/fp_ok", "parity/bitexact_ok", "vis/code_frac")
+            rows = res.rows
+            summary = {
+                "recipe": recipe.name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
+                "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
+                "last": {k: last.get(k) for k in keys},
+                "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
+                                                                                    "shadow_gap/token/g_abs", "clip/frac")},
+                "reward_failures": trainer.reward.stats(),
+                "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
+                and all(r.get("parity/bitexact_ok", True) for r in rows),
+            }
+            write_json_atomic(tmp / "summary.json", summary)
+            if not a.no_plots and rows:
+                plot_runs([tmp], tmp / "plots.png", title=f"GRPO {recipe.name}")
         return summary
     finally:
-        if not ok:
-            where = _abandon_dir(tmp, dest, a.keep_partial)
-            if where is not None:
-                print(f"qpass grpo: partial output of {recipe.name} kept in {where}", file=sys.stderr)
+        if out_dir.kept is not None:
+            print(f"qpass grpo: output of {recipe.name} kept in {out_dir.kept}", file=sys.stderr)
 
 
 def _mean(xs: list[Any]) -> float | None:

@@ -3,54 +3,27 @@
 One JSON object per line, one line per step. :func:`append_jsonl` encodes the whole line first and
 hands it to the kernel with a single ``write`` on an ``O_APPEND`` descriptor, then ``fsync``s, so
 a crash or Ctrl-C leaves at most one truncated *last* line and never interleaves two rows;
-:func:`read_jsonl` skips (and reports) such a tail. Non-finite floats (NaN, +-inf) are written as
-``null``: strict JSON has no NaN, and "no data" is what they mean in the metric rows (the rows carry
-counts that say why).
+:func:`read_jsonl` skips (and reports) such a tail. Values go through the one JSON writer
+(:mod:`qpass.jsonio`): non-finite floats (NaN, +-inf) are written as ``null`` with a ``KEY_reason``
+field beside them (strict JSON has no NaN; "no data" is what they mean in the metric rows).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from qpass.atomic import write_atomic as write_text_atomic
+from qpass.jsonio import dumps, json_safe
+from qpass.jsonio import write_json as write_json_atomic
 
 log = logging.getLogger(__name__)
 
 __all__ = ["append_jsonl", "json_safe", "read_jsonl", "write_json_atomic", "write_text_atomic"]
-
-
-def json_safe(value: Any) -> Any:
-    """A copy of ``value`` that :func:`json.dumps` accepts with ``allow_nan=False``.
-
-    Non-finite floats become None; tuples become lists; tensors/numpy scalars with ``.item()``
-    become Python numbers; mapping keys become strings; anything else unknown becomes ``str``.
-    """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            return json_safe(item())
-        except (ValueError, RuntimeError):  # multi-element tensor
-            pass
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return json_safe(tolist())
-    return str(value)
 
 
 def append_jsonl(path: str | Path, row: Mapping[str, Any], *, fsync: bool = True) -> None:
@@ -66,7 +39,7 @@ def append_jsonl(path: str | Path, row: Mapping[str, Any], *, fsync: bool = True
     """
     if not isinstance(row, Mapping):
         raise TypeError(f"row must be a mapping, got {type(row).__name__}")
-    data = (json.dumps(json_safe(row), allow_nan=False, separators=(",", ":")) + "\n").encode()
+    data = (dumps(row, compact=True) + "\n").encode()
     fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         view = memoryview(data)
@@ -99,8 +72,3 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}:{i + 1}: not valid JSON: {exc}") from exc
     return rows
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """:func:`write_text_atomic` of ``json.dumps(json_safe(obj), indent=2)``."""
-    write_text_atomic(path, json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")

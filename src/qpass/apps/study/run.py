@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -665,13 +664,14 @@ def _k100_selection_check(acts: lw.Acts, rac_sites: list[str]) -> dict[str, bool
 # ------------------------------------------------------------------------------------ outputs
 def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Path:
     """Write ``study.json``, ``study.md`` and the plots into ``out`` atomically."""
-    from qpass.apps.artifacts import atomic_dir
+    from qpass.atomic import atomic_dir
+    from qpass.jsonio import write_json
     from qpass.apps.study.report import to_markdown, write_plots
 
     with atomic_dir(Path(out), force=force, marker="study.json") as tmp:
         plots = write_plots(res, tmp)
         res = {**res, "plots": plots}
-        (tmp / "study.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+        write_json(tmp / "study.json", res)
         (tmp / "study.md").write_text(to_markdown(res))
     return Path(out)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 from qpass.atomic import write_atomic
+from qpass.jsonio import write_json
 
 L2_BYTES = 60 * 2**20  # H200
 SMOKE = {"on": False}  # --smoke: run the full-benchmark code path on CPU at toy sizes (no timings)
@@ -520,7 +520,7 @@ def _save(res: Results, args) -> str:
     md = to_markdown(res)
     if getattr(args, "out", None):
         out = _out_path(args.out)
-        write_atomic(out, json.dumps(res.to_json(), indent=1, default=str))
+        write_json(out, res.to_json(), indent=1)
         write_atomic(out.with_suffix(".md"), md)
     return md
 

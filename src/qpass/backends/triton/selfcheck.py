@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -50,11 +49,11 @@ class Report:
             return
         from pathlib import Path
 
-        from qpass.atomic import write_atomic
+        from qpass.jsonio import write_json
 
         out = {**self.meta, "ok": self.ok, "complete": final, "wall_s": round(time.monotonic() - self.t0, 1),
                "checks": self.items}
-        write_atomic(Path(self.path), json.dumps(out, indent=1))
+        write_json(Path(self.path), out, indent=1)
 
     def run(self, name: str, fn: Callable[[], tuple[bool, str]]) -> None:
         t = time.monotonic()
