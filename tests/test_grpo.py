@@ -20,7 +20,8 @@ from qpass.runtime import RolloutBatch
 from qpass.diagnostics import update_visibility_groups
 from qpass.errors import ParityError
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_quantize
-from qpass.rl.experience import Experience, assemble, micro_batches, response_logprobs, step_prefill_args
+from qpass.rl.experience import Experience, assemble, micro_batches, response_logprobs
+from qpass.runtime.prefill import step_prefill_args
 from qpass.apps.grpo.grpo import GRPOConfig, GRPOTrainer, _seed
 from qpass.apps.grpo.jsonl import append_jsonl, read_jsonl, write_json_atomic
 from qpass.rl.loss import Correction, LossConfig
@@ -367,7 +368,7 @@ def test_tiny_epochs_minibatches_kl_and_tis(tiny_pipeline):
 
 
 def test_tiny_sync_corruption_is_caught(tiny_pipeline, tmp_path, monkeypatch):
-    import qpass.runtime as bt
+    import qpass.runtime.graph_engine as bt  # the built-in rollout engine's update path
 
     real = bt.sync_weights
     site = {}

@@ -108,12 +108,10 @@ def uncaptured_linears(model: torch.nn.Module, sites: dict[str, Any], opaque: li
 
 def _prefill_args(rollout: QGraph, batch: Any) -> tuple:
     """Step-graph arguments that run a whole sampled batch as one prefill (for activation capture)."""
-    ids, am = batch.input_ids, batch.attention_mask
-    t = ids.shape[1]
-    full = torch.zeros(ids.shape[0], rollout.captured.max_len, dtype=torch.long, device=ids.device)
-    full[:, :t] = am
-    pos = (am.cumsum(-1) - 1).clamp(min=0)
-    return ids, pos, torch.arange(t, device=ids.device), full
+    from qpass.runtime.prefill import step_prefill_args
+
+    return step_prefill_args(batch.input_ids, batch.attention_mask, batch_size=int(rollout.captured.batch_size),
+                             max_len=int(rollout.captured.max_len))
 
 
 def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any) -> tuple[dict[str, float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:

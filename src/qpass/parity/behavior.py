@@ -15,6 +15,7 @@ import torch
 
 from qpass.diagnostics.metrics import MismatchMetrics, mismatch_metrics
 from qpass.graph.qgraph import QGraph
+from qpass.runtime.engine import LearnerEngine, RolloutEngine, as_learner_engine, as_rollout_engine
 
 
 @dataclasses.dataclass
@@ -42,8 +43,8 @@ class GapResult:
 
 @torch.no_grad()
 def logprob_gap(
-    learner: QGraph,
-    rollout: QGraph,
+    learner: LearnerEngine | QGraph,
+    rollout: RolloutEngine | QGraph,
     prompts: Sequence[Sequence[int]],
     *,
     pad_token_id: int,
@@ -56,15 +57,14 @@ def logprob_gap(
 ) -> GapResult:
     """Sample ``samples_per_prompt`` responses per prompt from ``rollout`` and score them with ``learner``.
 
-    Prompts are processed in chunks of the rollout graph's static batch size; chunk ``i`` uses
-    seed ``seed + i``.
+    Prompts are processed in chunks of the rollout engine's batch size; chunk ``i`` uses seed
+    ``seed + i``. ``learner`` / ``rollout`` are engines (:mod:`qpass.runtime.engine`) or graphs,
+    which run on the built-in ``"qpass"`` engines.
     """
     import time
 
-    from qpass.runtime import TorchLearner, TorchRollout
-
-    ro = TorchRollout(rollout, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
-    le = TorchLearner(learner)
+    ro = as_rollout_engine(rollout, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    le = as_learner_engine(learner)
     rows = [p for p in prompts for _ in range(samples_per_prompt)]
     logp_all, logq_all, mask_all, batches = [], [], [], []
     wall, ntok = 0.0, 0

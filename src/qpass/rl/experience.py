@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from qpass.sampling import positions_from_mask, sampling_logprobs
+from qpass.sampling import sampling_logprobs
 
 __all__ = ["Experience", "assemble", "decode_responses", "micro_batches", "response_logprobs"]
 
@@ -165,33 +165,3 @@ def micro_batches(n: int, size: int) -> list[torch.Tensor]:
     if n < 0 or size < 1:
         raise ValueError(f"micro_batches needs n >= 0 and size >= 1, got n={n}, size={size}")
     return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def step_prefill_args(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, batch_size: int, max_len: int) -> tuple:
-    """Arguments of a step graph (static batch ``B``, cache ``L``) that prefill whole sequences.
-
-    The step graph's signature is ``(input_ids [B, T], position_ids [B, T], cache_position [T],
-    attention_mask [B, L])`` (:mod:`qpass.graph.capture`). Rows beyond ``n`` are filled with copies
-    of the last row (the caller ignores their logits), exactly as the rollout fills a partial chunk.
-
-    Args:
-        input_ids, attention_mask: int ``[n, T]`` with ``1 <= n <= B`` and ``T <= L``.
-    Returns:
-        the 4-tuple of graph arguments.
-    Raises:
-        ValueError: ``n`` or ``T`` out of range.
-    """
-    n, t = input_ids.shape
-    if not 1 <= n <= batch_size:
-        raise ValueError(f"step_prefill_args: {n} rows, the step graph takes 1..{batch_size}")
-    if t > max_len:
-        raise ValueError(f"step_prefill_args: sequence length {t} exceeds the KV cache ({max_len})")
-    if n < batch_size:
-        fill = batch_size - n
-        input_ids = torch.cat([input_ids, input_ids[-1:].expand(fill, t)])
-        attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(fill, t)])
-    am = attention_mask.long()
-    pos = positions_from_mask(am)
-    mask_l = torch.zeros(batch_size, max_len, dtype=torch.long, device=am.device)
-    mask_l[:, :t] = am
-    return input_ids, pos, torch.arange(t, device=am.device), mask_l

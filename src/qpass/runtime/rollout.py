@@ -18,6 +18,7 @@ import torch
 
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
+from qpass.runtime.prefill import left_pad, step_prefill_args
 from qpass.sampling import sampling_logprobs
 
 
@@ -69,6 +70,12 @@ class TorchRollout:
             return t.device
         return torch.device("cpu")
 
+    def _prefill(self, prompts: Sequence[Sequence[int]], dev: torch.device) -> tuple:
+        """Step-graph arguments of the prefill call: the prompts left-padded, the static batch
+        filled with copies of the last prompt (:func:`qpass.runtime.prefill.step_prefill_args`)."""
+        ids, am = left_pad(prompts, pad_token_id=self.pad, device=dev)
+        return step_prefill_args(ids, am, batch_size=self.batch_size, max_len=self.max_len)
+
     @torch.no_grad()
     def generate(
         self,
@@ -92,18 +99,11 @@ class TorchRollout:
         if p + max_new_tokens > self.max_len:
             raise QpassError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({self.max_len})")
         dev = self._device()
-        rows = list(prompts) + [prompts[-1]] * (self.batch_size - n)  # fill the static batch
         b = self.batch_size
-        ids = torch.full((b, p), self.pad, dtype=torch.long)
-        mask = torch.zeros(b, self.max_len, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, p - len(r):] = torch.tensor(list(r), dtype=torch.long)
-            mask[i, p - len(r):p] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask[:, :p].cumsum(-1) - 1).clamp(min=0)
+        ids, pos, cpos, mask = self._prefill(prompts, dev)
         gen = torch.Generator(device=dev).manual_seed(seed)
         eos = self.eos.to(dev)
-        logits = self.gm(ids, pos, torch.arange(p, device=dev), mask)[:, -1]
+        logits = self.gm(ids, pos, cpos, mask)[:, -1]
         out_tok, out_lp, out_valid = [], [], []
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         last_pos = pos[:, -1]
@@ -189,14 +189,9 @@ class TorchRollout:
             if len(r):
                 resp[i, : len(r)] = torch.tensor([int(t) for t in r], dtype=torch.long)
         alive_all = torch.arange(r_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [b, R]
-        ids = torch.full((b, p), self.pad, dtype=torch.long)
-        mask = torch.zeros(b, self.max_len, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, p - len(r):] = torch.tensor(list(r), dtype=torch.long)
-            mask[i, p - len(r):p] = 1
-        ids, mask, resp, alive_all = ids.to(dev), mask.to(dev), resp.to(dev), alive_all.to(dev)
-        pos = (mask[:, :p].cumsum(-1) - 1).clamp(min=0)
-        logits = step(ids, pos, torch.arange(p, device=dev), mask)[:, -1]
+        ids, pos, cpos, mask = self._prefill(rows, dev)
+        resp, alive_all = resp.to(dev), alive_all.to(dev)
+        logits = step(ids, pos, cpos, mask)[:, -1]
         out_lp = []
         last_pos = pos[:, -1]
         for t in range(r_len):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 
 import torch
 
@@ -38,13 +39,15 @@ def fingerprint(*tensors: torch.Tensor) -> str:
 
 
 @torch.no_grad()
-def sync_weights(learner: QGraph, rollout: QGraph) -> SyncReport:
+def sync_weights(learner: QGraph | Mapping[str, torch.Tensor], rollout: QGraph) -> SyncReport:
     """Refresh every rollout weight from the learner's current master weights, in place.
+
+    ``learner`` is the learner graph or its master weights by graph attribute path.
 
     Raises:
         QpassError: a rollout constant has no source weight in the learner graph.
     """
-    lparams = dict(learner.gm.named_parameters(remove_duplicate=False))
+    lparams = dict(learner) if isinstance(learner, Mapping) else dict(learner.gm.named_parameters(remove_duplicate=False))
     copied = 0
     for path, p in rollout.gm.named_parameters(remove_duplicate=False):
         if path in lparams:

@@ -3,7 +3,7 @@
 Three policies, kept distinct (SPEC §5):
 
 * **behaviour** ``q``: the rollout graph that sampled; ``log q`` is recorded at sampling time
-  (:class:`qpass.runtime.TorchRollout`), never recomputed;
+  (the rollout engine, :class:`qpass.runtime.RolloutEngine`), never recomputed;
 * **proximal** ``p_prox``: the learner at the rollout snapshot: every sampled row is scored by the
   learner *before* any optimizer step of this step, without gradient;
 * **current** ``p_theta``: the learner during the update, with gradient.
@@ -26,7 +26,7 @@ One :meth:`GRPOTrainer.step`:
    changes because of batch composition; AdamW on FP32 master weights
    (:class:`qpass.apps.grpo.weights.MasterOptimizer`) with gradient-norm clipping. A micro-batch whose
    advantages are all 0 (and ``beta == 0``) contributes exactly 0 loss and gradient and is skipped;
-5. :func:`qpass.runtime.sync_weights` re-quantizes the rollout from the new weights, then
+5. the rollout engine's ``update_weights`` re-quantizes from the learner's exported master weights, then
    :func:`qpass.apps.grpo.weights.verify_sync` checks it (every step) and
    :func:`qpass.parity.checker.check_weights_bitexact` every ``bitexact_every`` steps and on the
    last step, for recipes whose learner fake-quantizes weights;
@@ -342,7 +342,7 @@ class GRPOTrainer:
         template: str = DEFAULT_TEMPLATE,
         recipe_name: str = "",
     ) -> None:
-        from qpass.runtime import TorchLearner, TorchRollout
+        from qpass.runtime.engine import make_learner_engine, make_rollout_engine
 
         self.cfg = cfg
         self.learner_qg, self.rollout_qg = learner, rollout
@@ -354,8 +354,8 @@ class GRPOTrainer:
         if pad is None or eos is None:
             raise ValueError("the tokenizer needs pad_token_id and eos_token_id")
         self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-        self.le = TorchLearner(learner)
-        self.ro = TorchRollout(rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
+        self.le = make_learner_engine("qpass", qg=learner)
+        self.ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
         self.pad = int(pad)
         self.micro = cfg.micro_batch_size or self.ro.batch_size
         n_rows = cfg.prompts_per_step * cfg.group_size
@@ -372,7 +372,7 @@ class GRPOTrainer:
             ref_qg = learner.clone("learner")
             for p in ref_qg.gm.parameters():
                 p.requires_grad_(False)
-            self.ref = TorchLearner(ref_qg)
+            self.ref = make_learner_engine("qpass", qg=ref_qg)
         self.shadow = None
         if cfg.shadow:
             if shadow_base is None:
@@ -393,12 +393,12 @@ class GRPOTrainer:
                 raise ValueError("GRPOConfig.eval_every > 0 but the task has no eval problems (n_eval=0)")
             self._eval_set = ([p.meta for p in probs], self._encode(probs))
         probe_src = list(task.eval[: self.ro.batch_size]) or list(task.train[: self.ro.batch_size])
-        self._probe = prompt_batch(self._encode(probe_src), self.ro.batch_size, pad_token_id=self.pad, device=self.ro._device())
+        self._probe = prompt_batch(self._encode(probe_src), self.ro.batch_size, pad_token_id=self.pad, device=self.ro.device)
 
     # ------------------------------------------------------------------ helpers
     @property
     def device(self) -> torch.device:
-        return self.ro._device()
+        return self.ro.device
 
     def _encode(self, problems: Sequence[Any]) -> list[list[int]]:
         out = []
@@ -567,7 +567,6 @@ class GRPOTrainer:
         Raises:
             ParityError: a parity check failed and ``cfg.on_parity_failure == "raise"``.
         """
-        from qpass.runtime import sync_weights
         from qpass.parity.checker import check_weights_bitexact
 
         cfg = self.cfg
@@ -657,7 +656,7 @@ class GRPOTrainer:
 
         # 5. sync and verify
         t0 = time.perf_counter()
-        rep = sync_weights(self.learner_qg, self.rollout_qg)
+        rep = self.ro.update_weights(self.le.export_weights())
         row.update({"parity/sync_copied": rep.copied, "parity/sync_requantized": rep.requantized,
                     "time/sync_s": time.perf_counter() - t0})
         t0 = time.perf_counter()

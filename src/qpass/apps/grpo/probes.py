@@ -38,7 +38,8 @@ from qpass.diagnostics.capture import capture_linear_inputs
 from qpass.diagnostics.layerwise import SiteMismatch, layerwise_mismatch
 from qpass.graph.qgraph import QGraph
 from qpass.sampling import positions_from_mask, sampling_logprobs
-from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches, step_prefill_args
+from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches
+from qpass.runtime.prefill import step_prefill_args
 from qpass.rl.task import exact_answer_reward
 
 __all__ = ["GREEDY_TOP_P", "BF16Shadow", "evaluate", "layerwise_probe", "layerwise_summary", "prompt_batch"]

@@ -7,11 +7,11 @@ sampling noise. The paired design removes that noise:
    uses the BF16 rollout), in static batches exactly as :func:`qpass.parity.behavior.logprob_gap`
    does (chunk ``i`` of ``batch_size`` rows uses seed ``seed + first_row``).
 2. :func:`replay_logq`: for every rollout configuration, teacher-force those exact tokens through
-   its step graph with :meth:`qpass.runtime.TorchRollout.replay` (prefill, then one decode
+   its step graph with :meth:`qpass.runtime.RolloutEngine.score` (prefill, then one decode
    call per token, whole static batches including filler rows, so every forward call sees the same
    rows as the sampling run) and read ``log q`` of each given token.
 3. :func:`learner_logp`: ``log p`` of the same tokens from each learner configuration
-   (full-sequence scoring, :class:`qpass.runtime.TorchLearner`).
+   (full-sequence scoring, :class:`qpass.runtime.LearnerEngine`).
 
 ``d = log p - log q`` is then computed on the same tokens for every (learner, rollout) pair, and
 :func:`paired_bootstrap` gives a response-level bootstrap interval for the *difference* of mean
@@ -27,6 +27,7 @@ import torch
 
 from qpass.diagnostics.metrics import MismatchMetrics, mismatch_metrics
 from qpass.graph.qgraph import QGraph
+from qpass.runtime.engine import LearnerEngine, RolloutEngine, as_learner_engine, as_rollout_engine
 
 
 @dataclasses.dataclass
@@ -105,7 +106,7 @@ def _pad(t: torch.Tensor, width: int, value: float | bool) -> torch.Tensor:
 
 
 def sample_fixed_set(
-    rollout: QGraph,
+    rollout: RolloutEngine | QGraph,
     prompts: Sequence[Sequence[int]],
     *,
     pad_token_id: int,
@@ -115,14 +116,13 @@ def sample_fixed_set(
     top_p: float = 1.0,
     seed: int = 0,
 ) -> SampledSet:
-    """Sample one response per prompt from ``rollout`` (static batches, filler rows kept).
+    """Sample one response per prompt from ``rollout`` (an engine, or a step graph on the built-in
+    engine; static batches, filler rows kept).
 
     Raises:
-        QpassError: from :meth:`TorchRollout.generate` (batch or cache too small).
+        QpassError: from the engine's ``generate`` (batch or cache too small).
     """
-    from qpass.runtime import TorchRollout
-
-    ro = TorchRollout(rollout, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    ro = as_rollout_engine(rollout, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     chunks = []
     for i in range(0, len(prompts), ro.batch_size):
         real = [list(p) for p in prompts[i:i + ro.batch_size]]
@@ -135,7 +135,7 @@ def sample_fixed_set(
 
 
 def replay_logq(
-    rollout: QGraph,
+    rollout: RolloutEngine | QGraph,
     sset: SampledSet,
     *,
     pad_token_id: int,
@@ -145,32 +145,39 @@ def replay_logq(
     """``log q`` of the fixed tokens under ``rollout`` (teacher-forced decode, whole static batches).
 
     Args:
-        rollout: step graph of the configuration.
+        rollout: the configuration's rollout engine, or its step graph (built-in engine).
         sset: the fixed sequences.
-        step_fn_for_chunk: optional ``(chunk_index, TorchRollout) -> step_fn or None`` (e.g. an
-            activation recorder for chunk 0).
+        step_fn_for_chunk: optional ``(chunk_index, engine) -> step_fn or None`` (e.g. an
+            activation recorder for chunk 0); a step function needs the built-in graph engine.
     Returns:
         ``(logq, mask)``: float32 ``[rows, R]`` and bool ``[rows, R]`` (all rows, filler included).
+    Raises:
+        QpassError: a step function was asked of an engine that does not run qpass's step graph.
     """
-    from qpass.runtime import TorchRollout
+    from qpass.errors import QpassError
+    from qpass.runtime.graph_engine import GraphRolloutEngine
 
-    ro = TorchRollout(rollout, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    ro = as_rollout_engine(rollout, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     lq, mk = [], []
     for ci, c in enumerate(sset.chunks):
         fn = step_fn_for_chunk(ci, ro) if step_fn_for_chunk is not None else None
-        logq, mask = ro.replay(c.prompts, c.responses, temperature=sset.temperature, top_p=sset.top_p, step_fn=fn)
+        if fn is None:
+            logq, mask = ro.score(c.prompts, c.responses, temperature=sset.temperature, top_p=sset.top_p)
+        elif isinstance(ro, GraphRolloutEngine):
+            logq, mask = ro.replay(c.prompts, c.responses, temperature=sset.temperature, top_p=sset.top_p, step_fn=fn)
+        else:
+            raise QpassError(f"replay_logq: a step function (activation capture) needs qpass's graph engine, not {ro.name!r}")
         lq.append(_pad(logq, sset.width, 0.0))
         mk.append(_pad(mask, sset.width, False))
     return torch.cat(lq), torch.cat(mk)
 
 
 @torch.no_grad()
-def learner_logp(learner: QGraph, sset: SampledSet) -> torch.Tensor:
-    """``log p`` of the fixed response tokens, float32 ``[rows, R]`` (0 where invalid)."""
-    from qpass.runtime import TorchLearner
-
-    le = TorchLearner(learner)
-    dev = graph_device(learner)
+def learner_logp(learner: LearnerEngine | QGraph, sset: SampledSet) -> torch.Tensor:
+    """``log p`` of the fixed response tokens, float32 ``[rows, R]`` (0 where invalid); ``learner``
+    is an engine or a scoring graph (built-in engine)."""
+    le = as_learner_engine(learner)
+    dev = le.device
     out = []
     for c in sset.chunks:
         lp = le.token_logprobs(c.input_ids.to(dev), c.attention_mask.to(dev), temperature=sset.temperature,

@@ -1,0 +1,119 @@
+"""The built-in engines (name ``"qpass"``): qpass's own pass-rewritten graphs behind the engine protocols.
+
+* :class:`GraphRolloutEngine`: the rollout step graph (static KV cache) as a
+  :class:`qpass.runtime.engine.RolloutEngine`; weight updates re-quantize from master weights with
+  :func:`qpass.runtime.sync.sync_weights`, the served bytes are read from the graph's constants.
+* :class:`GraphLearnerEngine`: the learner scoring graph as a
+  :class:`qpass.runtime.engine.LearnerEngine`; its parameters are the master weights.
+
+Graph attribute paths carry the capture wrapper's prefix (``model.model.layers.0...``); the
+engines translate to and from Hugging Face names (``model.layers.0...``) at the seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from qpass.errors import QpassError
+from qpass.graph.capture import attr_of, site_of
+from qpass.graph.qgraph import QGraph
+from qpass.runtime.learner import TorchLearner
+from qpass.runtime.rollout import TorchRollout
+from qpass.runtime.served import ServedSite
+from qpass.runtime.sync import SyncReport, sync_weights
+
+__all__ = ["GraphLearnerEngine", "GraphRolloutEngine", "graph_weights"]
+
+
+def graph_weights(qg: QGraph) -> dict[str, torch.Tensor]:
+    """A graph's parameters by Hugging Face name (detached; tied weights under every name)."""
+    return {site_of(path): p.detach() for path, p in qg.gm.named_parameters(remove_duplicate=False)}
+
+
+class GraphRolloutEngine(TorchRollout):
+    """The rollout step graph as a rollout engine (``make_rollout_engine("qpass", qg=..., ...)``).
+
+    Args:
+        qg: rollout-side :class:`QGraph` of kind ``step``.
+        pad_token_id, eos_token_id: tokenizer ids.
+    Raises:
+        ValueError: ``qg`` is not a step graph.
+    """
+
+    name = "qpass"
+
+    def __init__(self, qg: QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int]) -> None:
+        super().__init__(qg, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device()
+
+    def score(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced ``log q`` (:meth:`TorchRollout.replay`: the generate schedule, bit for bit)."""
+        return self.replay(prompts, responses, temperature=temperature, top_p=top_p)
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> SyncReport:
+        """Re-quantize every rollout constant from ``weights`` (HF names) and copy the rest, in place.
+
+        Raises:
+            QpassError: a parameter or quantized site of the rollout graph has no weight in ``weights``
+                (the first missing names are listed).
+        """
+        state = {attr_of(name): t for name, t in weights.items()}
+        need = [p for p, _ in self.qg.gm.named_parameters(remove_duplicate=False)]
+        need += [rec["weight"] for rec in self.qg.quant.values() if "weight" in rec]
+        missing = sorted({site_of(p) for p in need if p not in state})
+        if missing:
+            raise QpassError(f"rollout weight update: {len(missing)} weight(s) missing from the update, e.g. {missing[:5]}")
+        return sync_weights(state, self.qg)
+
+    def sync_from(self, learner: "GraphLearnerEngine") -> SyncReport:
+        """:meth:`update_weights` from a learner engine's :meth:`~GraphLearnerEngine.export_weights`."""
+        return self.update_weights(learner.export_weights())
+
+    def served_weights(self) -> dict[str, ServedSite]:
+        """The constants the step graph computes with, per quantized site (the live buffers, not copies)."""
+        buf = self.qg.gm.get_buffer
+        out: dict[str, ServedSite] = {}
+        for sid, rec in self.qg.quant.items():
+            kind, c = rec.get("kind"), rec.get("constants", {})
+            if kind == "nvfp4_linear":
+                out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]))
+            elif kind == "mxfp4_linear":
+                out[sid] = ServedSite(sid, "mxfp4", buf(c["codes"]), buf(c["scales"]))
+            elif kind == "fp8_linear":
+                out[sid] = ServedSite(sid, "fp8", buf(c["data"]), buf(c["scale"]))
+        return out
+
+
+class GraphLearnerEngine(TorchLearner):
+    """The learner scoring graph as a learner engine (``make_learner_engine("qpass", qg=...)``).
+
+    ``parameters()`` are the BF16 master weights; weight QDQ nodes inside the graph apply the STE.
+
+    Raises:
+        ValueError: ``qg`` is not a scoring graph.
+    """
+
+    name = "qpass"
+
+    def __init__(self, qg: QGraph) -> None:
+        super().__init__(qg)
+
+    @property
+    def device(self) -> torch.device:
+        for t in self.gm.parameters():
+            return t.device
+        for t in self.gm.buffers():
+            return t.device
+        return torch.device("cpu")
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Master weights by Hugging Face name (detached views, model dtype)."""
+        return graph_weights(self.qg)

@@ -1,0 +1,28 @@
+"""What a rollout engine reports it serves: the quantized bytes of one site, read back from the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedSite:
+    """The quantized bytes a rollout engine serves for one linear site (read back from the engine).
+
+    Attributes:
+        site: module path, e.g. ``model.layers.0.self_attn.q_proj``.
+        format: ``nvfp4`` | ``mxfp4`` | ``fp8``.
+        codes: the weight codes as served: NVFP4/MXFP4 packed E2M1 uint8 ``[N, K/2]``; FP8
+            ``float8_e4m3fn`` ``[N, K]``.
+        scales: block scales: NVFP4 ``float8_e4m3fn`` ``[N, K/16]``; MXFP4 E8M0 uint8 ``[N, K/32]``;
+            FP8 float32 (shape by granularity).
+        global_scale: NVFP4 float32 scalar ``S_dec`` (decode global scale); ``None`` otherwise.
+    """
+
+    site: str
+    format: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None = None
