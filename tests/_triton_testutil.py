@@ -2,19 +2,26 @@
 
 The kernels are loaded in interpreter mode for CPU tensors by ``qpass.backends.triton._loader``
 whatever ``TRITON_INTERPRET`` said when ``triton`` was imported, so these tests need no environment
-set-up. Every test draws fresh random inputs; the seed is part of every failure message.
+set-up. Every test draws its own seeded random inputs (``fresh_seed``); the seed is part of every
+failure message.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 
 
 def fresh_seed() -> int:
-    """Seed torch from the OS entropy pool and return the seed (print it in assertion messages)."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Seed torch from the running test's node id and return the seed (print it in assertion messages).
+
+    Deterministic: the same test draws the same inputs on every run and machine (each test its own
+    stream). ``QPASS_TEST_SEED=N`` mixes N in, to explore other inputs on purpose.
+    """
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    seed = zlib.crc32(f"{test}|{os.environ.get('QPASS_TEST_SEED', '0')}".encode())
     torch.manual_seed(seed)
     return seed
 

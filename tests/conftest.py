@@ -1,19 +1,71 @@
-"""Shared fixtures: a tiny random Llama (fast graph tests) and the real default model (slow tier).
+"""Shared fixtures and the test tiers.
 
-Session-scoped so the default model (~25 s to load, ~15 s to capture both graphs) is loaded once per
-pytest run however many modules use it.
+Tiers (markers registered in ``pyproject.toml``):
+
+* unit (no marker): tiny random models and synthetic tensors, seconds each
+  (``python -m pytest -q -m "not slow and not gpu and not distributed"``);
+* ``slow``: the real default model (SmolLM2-135M). The whole tier shares ONE load + capture
+  (``default_pipeline``) and ONE ``qpass apply`` output (``quads_apply_dir``) per pytest run;
+* ``gpu``: needs CUDA, skipped here when no device is visible;
+* ``distributed``: spawns torch.distributed gloo processes on CPU.
+
+The README test command runs everything that is not ``gpu`` (``python -m pytest -q``: gpu tests skip
+themselves on CPU-only machines).
+
+Determinism: every test starts from ``torch``/``random``/``numpy`` seeded with 0 (autouse fixture
+below), Hypothesis runs derandomized (its examples are a function of the test), and the Triton tests
+seed from their node id (``tests/_triton_testutil.fresh_seed``).
 """
 
 from __future__ import annotations
 
 import os
+import random
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
+
+try:  # derandomized: the same examples every run (a failure reproduces with the same command)
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("qpass", derandomize=True, database=None, print_blob=True)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "qpass"))
+except ImportError:  # hypothesis is a test extra; modules that need it fail on their own import
+    pass
+
+
+_DEFAULT_MODEL_FIXTURES = {"default_loaded", "default_pipeline", "quads_apply_dir"}
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    """Every test that uses a default-model fixture is in the ``slow`` tier (marked or not), so
+    ``-m "not slow"`` never loads the model; ``gpu`` tests skip (not fail) without a CUDA device."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="gpu tier: needs a CUDA device")
+    for item in items:
+        if _DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seeds():
+    """Every test starts from the same global RNG state, whatever ran before it."""
+    torch.manual_seed(0)
+    random.seed(0)
+    try:
+        import numpy as np
+
+        np.random.seed(0)
+    except ImportError:
+        pass
+    yield
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -51,6 +103,9 @@ def tiny_pipeline():
                             batch_size=4, max_len=32)
 
 
+# ----------------------------------------------------------------------------- slow tier (default model)
+
+
 @pytest.fixture(scope="session")
 def default_loaded():
     from qpass.graph.model import load_model
@@ -60,7 +115,44 @@ def default_loaded():
 
 @pytest.fixture(scope="session")
 def default_pipeline(default_loaded):
-    """The default model captured with a 4-row rollout batch and a 64-slot KV cache."""
+    """The default model captured once per run with a 4-row rollout batch and a 64-slot KV cache.
+
+    Shared by every slow test: ``build`` clones the base graphs, so tests may train what they build,
+    but nothing may modify ``default_pipeline`` itself.
+    """
     from qpass.pipeline import Pipeline
 
     return Pipeline.prepare(loaded=default_loaded, batch_size=4, max_len=64)
+
+
+QUADS_APPLY_OPTIONS = {"prompts": 2, "samples": 2, "max_new_tokens": 8, "batch_size": 4}
+
+
+@pytest.fixture(scope="session")
+def quads_apply_dir(default_pipeline, tmp_path_factory):
+    """ONE ``qpass apply quads_nvfp4`` on the default model per run: ``(status, report, out_dir)``.
+
+    Read-only for its users: a test that corrupts artifacts works on ``copy_apply_output(out, tmp)``.
+    """
+    from qpass.apps.apply import ApplyOptions, run_apply
+
+    out = tmp_path_factory.mktemp("apply") / "quads"
+    status, report = run_apply("quads_nvfp4", out, ApplyOptions(**QUADS_APPLY_OPTIONS), pipeline=default_pipeline)
+    return status, report, out
+
+
+def copy_apply_output(src: Path, dst: Path, *, learner: bool = True) -> Path:
+    """A private copy of an apply output to corrupt: report and rollout files are copied; the large
+    learner state (270 MB on the default model) is hard-linked when possible, so tests must only
+    read it (``save_file`` rewrites in place and would reach the shared original)."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "report.json", dst / "report.json")
+    shutil.copytree(src / "rollout", dst / "rollout")
+    if learner and (src / "learner").is_dir():
+        (dst / "learner").mkdir()
+        for f in (src / "learner").iterdir():
+            try:
+                os.link(f, dst / "learner" / f.name)
+            except OSError:
+                shutil.copy(f, dst / "learner" / f.name)
+    return dst

@@ -1,6 +1,8 @@
 """The main job on the real default model (SmolLM2-135M-Instruct): apply, artifacts, check, training step.
 
-Slow tier (loads the 135M model once per session via the shared fixture); part of the default suite.
+Slow tier: the model is loaded and captured once per pytest run (``default_pipeline``) and the apply
+output is the session's one ``quads_apply_dir`` (read-only: tests that corrupt artifacts work on a copy
+from ``copy_apply_output``). Tests that need no model are in the unit tier (no ``slow`` marker).
 """
 
 from __future__ import annotations
@@ -21,20 +23,14 @@ from qpass.errors import CaptureError
 from qpass.parity.checker import check_weights_bitexact
 from qpass.recipe import load_recipe
 
-pytestmark = pytest.mark.slow
+from .conftest import copy_apply_output
+
 SITE = "model.layers.7.mlp.up_proj"
 
 
-@pytest.fixture(scope="module")
-def quads_run(default_pipeline, tmp_path_factory):
-    out = tmp_path_factory.mktemp("apply") / "quads"
-    o = ApplyOptions(prompts=2, samples=2, max_new_tokens=8, batch_size=4)
-    status, report = run_apply("quads_nvfp4", out, o, pipeline=default_pipeline)
-    return status, report, out
-
-
-def test_apply_quads_report(quads_run):
-    status, report, out = quads_run
+@pytest.mark.slow
+def test_apply_quads_report(quads_apply_dir):
+    status, report, out = quads_apply_dir
     assert status == 0 and report["ok"]
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["recipe"]["name"] == "quads_nvfp4" and on_disk["model"]["name"].startswith("SmolLM2-135M")
@@ -69,25 +65,24 @@ def test_apply_quads_report(quads_run):
     assert torch.equal(w[f"{SITE}.weight_global_scale"], w[f"{gate}.weight_global_scale"])
 
 
-def test_check_passes_then_fails_naming_a_planted_scale_bit(quads_run, default_pipeline, tmp_path):
-    _, _, out = quads_run
+@pytest.mark.slow
+def test_check_passes_then_fails_naming_a_planted_scale_bit(quads_apply_dir, default_pipeline, tmp_path):
+    _, _, out = quads_apply_dir
     status, res = run_check(str(out), ApplyOptions(), pipeline=default_pipeline)
     assert status == 0 and res["weights_bitexact"] is True and res["loaded"]["rollout_tensors"] == 3 * 210
-    path = out / "rollout" / "weights.safetensors"
+    d = copy_apply_output(out, tmp_path / "copy")  # the session's apply output stays untouched
+    path = d / "rollout" / "weights.safetensors"
     tensors = load_file(str(path))
     raw = tensors[f"{SITE}.weight_scale"].view(torch.uint8)
     raw[100, 7] ^= 0x01
-    save_file(tensors, str(path))
-    try:
-        status, res = run_check(str(out), ApplyOptions(), pipeline=default_pipeline)
-        assert status == 1 and res["weights_bitexact"] is False
-        assert res["mismatched_groups"] == [SITE.replace("up_proj", "gate_up")]
-        assert any(f.startswith(f"{SITE}: 1/") and "(first at (100, 7))" in f for f in res["failures"])
-    finally:  # the module's later tests reuse the artifacts
-        raw[100, 7] ^= 0x01
-        save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
+    save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
+    status, res = run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
+    assert status == 1 and res["weights_bitexact"] is False
+    assert res["mismatched_groups"] == [SITE.replace("up_proj", "gate_up")]
+    assert any(f.startswith(f"{SITE}: 1/") and "(first at (100, 7))" in f for f in res["failures"])
 
 
+@pytest.mark.slow
 def test_learner_step_changes_codes_and_resync_passes(default_pipeline):
     learner, rollout = default_pipeline.build(load_recipe("quads_nvfp4"))
     rec = rollout.quant[SITE]["constants"]
@@ -115,6 +110,7 @@ def test_cli_bad_inputs_exit_2_and_leave_nothing(tmp_path, capsys):
     assert cli_main(["aply"]) == 2 and "did you mean 'apply'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_interrupted_apply_leaves_no_output_dir(default_pipeline, tmp_path, monkeypatch):
     import qpass.parity.behavior as behavior
 
@@ -143,17 +139,12 @@ def test_model_without_linear_layers_is_a_clear_error():
         Pipeline.prepare(loaded=LoadedModel(NoLinear(), None, "no-linear", "test"))
 
 
-def test_check_rejects_missing_or_corrupt_artifacts_before_loading(quads_run, default_pipeline, tmp_path, capsys):
-    import shutil
-
+@pytest.mark.slow
+def test_check_rejects_missing_or_corrupt_artifacts_before_loading(quads_apply_dir, default_pipeline, tmp_path, capsys):
     from qpass.errors import QpassError
 
-    _, _, out = quads_run
-    d = tmp_path / "copy"
-    (d / "rollout").mkdir(parents=True)
-    shutil.copy(out / "report.json", d / "report.json")
-    for f in (out / "rollout").iterdir():
-        shutil.copy(f, d / "rollout" / f.name)
+    _, _, out = quads_apply_dir
+    d = copy_apply_output(out, tmp_path / "copy", learner=False)
     # the report lists a learner state that is not there
     with pytest.raises(QpassError, match=r"learner state .*model.safetensors is missing"):
         run_check(str(d), ApplyOptions(), pipeline=default_pipeline)

@@ -7,7 +7,7 @@
   relations hold (zero-channel RAC == plain W4A4 bit for bit in all four mode x selection combos,
   k = 100% selects all channels and gives one log q for all four combos, BF16 replay == sampled).
 
-The default model is loaded once (the session fixture of ``conftest.py`` when present) and the
+The default model is loaded once per run (the session fixture of ``conftest.py``; slow tier) and the
 module runs torch with one thread: on a CPU shared with other jobs, OpenMP oversubscription makes
 two threads ~10x slower.
 """
@@ -33,14 +33,9 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def pipe(request):
-    """The default model captured with a 4-row static batch (shared session pipeline if available)."""
-    try:
-        return request.getfixturevalue("default_pipeline")
-    except pytest.FixtureLookupError:
-        from qpass.pipeline import Pipeline
-
-        return Pipeline.prepare("default", batch_size=4, max_len=64)
+def pipe(default_pipeline):
+    """The default model captured with a 4-row static batch (the session's shared pipeline)."""
+    return default_pipeline
 
 
 def _rows(b) -> list[list[int]]:
@@ -58,6 +53,7 @@ def _assert_replay_equals_generate(qg, prompts, pad, eos, **kw):
     return b
 
 
+@pytest.mark.slow
 def test_replay_equals_generate_default_model(pipe):
     from qpass.apps.study.run import _passes, build_graph, rollout_specs
 
@@ -91,6 +87,7 @@ def test_replay_rejects_bad_input(tiny_pipeline):
         ro.replay([[5, 6]], [list(range(2, 40))])
 
 
+@pytest.mark.slow
 def test_study_quick(pipe, tmp_path):
     from qpass.apps.study import QUICK_RATIOS, build_parser, config_from_args, run_study, write_outputs
 
