@@ -9,8 +9,8 @@ Tiers (markers registered in ``pyproject.toml``):
 * ``gpu``: needs CUDA, skipped here when no device is visible;
 * ``distributed``: spawns torch.distributed gloo processes on CPU.
 
-The README test command runs everything that is not ``gpu`` (``python -m pytest -q``: gpu tests skip
-themselves on CPU-only machines).
+The README test command (``.ci/run``) runs everything that is not ``gpu``
+(``python -m pytest -q -m "not gpu"``); run with plain ``pytest``, gpu tests skip without CUDA.
 
 Determinism: every test starts from ``torch``/``random``/``numpy`` seeded with 0 (autouse fixture
 below), Hypothesis runs derandomized (its examples are a function of the test), and the Triton tests

@@ -1,0 +1,33 @@
+"""``.ci/run`` runs exactly the README's test command, and that command selects the intended tiers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_test_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"Run the tests \(the same command `\.ci/run` runs\):\s*```bash\n(.+?)\n```", text, re.S)
+    assert m, "README lost its 'Run the tests' block"
+    return m.group(1).strip()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    cmd = _readme_test_command()
+    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    assert cmd in lines, f".ci/run does not run the README command {cmd!r}"
+    assert lines[-1] == cmd  # the last thing CI does, so its exit status is CI's
+
+
+def test_readme_test_command_runs_unit_slow_packaging_and_distributed_but_not_gpu():
+    cmd = _readme_test_command()
+    assert 'pip install -e ".[test]"' in cmd
+    pytest_part = cmd.split("&&")[-1].strip()
+    assert pytest_part == 'python -m pytest -q -m "not gpu"'
+    text = (ROOT / "pyproject.toml").read_text()
+    for marker in ("slow", "gpu", "distributed", "packaging"):
+        assert re.search(rf'^\s*"{marker}: ', text, re.M), marker
