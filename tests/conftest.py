@@ -156,3 +156,12 @@ def copy_apply_output(src: Path, dst: Path, *, learner: bool = True) -> Path:
             except OSError:
                 shutil.copy(f, dst / "learner" / f.name)
     return dst
+
+
+@pytest.fixture
+def triton_backend():
+    """The Triton backend registered through the app layer's one registration path."""
+    pytest.importorskip("triton")
+    from qpass.apps.plugins import load_backends
+
+    return load_backends(["triton"])["triton"]

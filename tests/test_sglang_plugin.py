@@ -191,3 +191,100 @@ def test_row_parallel_activation_helper_equals_the_reference_fake_quant():
     for act, key in (("nvfp4", "nvfp4.activation.per_tensor"), ("nvfp4_per_token", "nvfp4.activation.per_token")):
         got = activation_for_row_parallel(x, act, None, "s")
         assert torch.equal(got, reference_qdq(key, x.reshape(-1, 64)).reshape(x.shape))
+
+
+# ------------------------------------------------------------------------------------- bad input (load/update/read)
+def _layer(parts=(32, 32, 32), k=64, prefix="model.layers.0.self_attn.qkv_proj"):
+    """A module with the parameters ``create_weights`` registers, as SGLang allocates them."""
+    from qpass.backends.sglang.contract import make_tensor
+
+    layer = torch.nn.Module()
+    for p in qsgl.linear_param_specs(k, list(parts), prefix=prefix):
+        layer.register_parameter(p.name, torch.nn.Parameter(make_tensor(p), requires_grad=False))
+    return layer
+
+
+def _load(layer, *, codes=True, scales=True, globals_=(0, 1, 2)):
+    w = nvfp4_quantize((torch.randn(96, 64, generator=torch.Generator().manual_seed(1)) * 0.05).bfloat16())
+    with torch.no_grad():
+        if codes:
+            layer.weight.copy_(w.codes)
+        if scales:
+            layer.weight_scale.copy_(w.scales)
+        for i in globals_:
+            layer.weight_scale_2[i] = w.s_dec.float()
+    return w
+
+
+def test_scales_never_loaded_are_refused_naming_the_layer():
+    from qpass.backends.sglang.plugin import finish_loading
+
+    site = "model.layers.0.self_attn.qkv_proj"
+    layer = _layer()
+    _load(layer, scales=False)  # codes and globals, no block scales (torch.empty before: served as is)
+    with pytest.raises(QuantizationError, match=f"layer {site}: 384/384 weight_scale bytes are NaN"):
+        finish_loading(layer, site)
+    layer = _layer()
+    _load(layer, globals_=(0, 2))  # shard 1's global never written
+    with pytest.raises(QuantizationError, match=rf"layer {site}: weight_scale_2 of shard\(s\) \[1\] was never loaded"):
+        finish_loading(layer, site)
+    layer = _layer()
+    w = _load(layer)
+    finish_loading(layer, site)
+    assert torch.equal(layer.qpass_s_dec, w.s_dec.float().reshape(()))
+
+
+def test_weight_update_with_codes_but_no_scales_is_refused():
+    from qpass.backends.sglang.plugin import begin_loading, finish_loading
+
+    site = "model.layers.0.self_attn.qkv_proj"
+    layer = _layer()
+    _load(layer)
+    finish_loading(layer, site)
+    begin_loading(layer)  # restore_weights_before_loading: an RL update session starts
+    _load(layer, scales=False, globals_=())  # the update carries codes only: stale scales must not be served
+    with pytest.raises(QuantizationError, match=f"layer {site}"):
+        finish_loading(layer, site)
+    begin_loading(layer)
+    _load(layer)  # a complete update is accepted again
+    finish_loading(layer, site)
+
+
+def test_readers_refuse_bad_scales_and_truncated_files_naming_file_and_site(w4a4_rollout, tmp_path):
+    from safetensors.torch import save_file
+
+    named = dict(qsgl.named_tensors_from_rollout(w4a4_rollout[1]))
+    site = "model.layers.1.mlp.down_proj"
+    f = tmp_path / "weights.safetensors"
+
+    def bad(name, value):
+        t = dict(named)
+        if value is None:
+            del t[name]
+        else:
+            t[name] = value
+        save_file({k: v.contiguous() for k, v in t.items()}, str(f))
+        return t
+
+    bad(f"{site}.weight_scale", named[f"{site}.weight_scale"][:, :-1])  # wrong shape
+    with pytest.raises(QuantizationError, match=rf"{f}: {site}\.weight_scale: expected float8_e4m3fn \(64, 8\)"):
+        qsgl.named_tensors_from_rollout(tmp_path)
+    bad(f"{site}.weight_scale", named[f"{site}.weight_scale"].float())  # wrong dtype
+    with pytest.raises(QuantizationError, match=rf"{site}\.weight_scale: expected float8_e4m3fn .* got torch.float32"):
+        qsgl.named_tensors_from_rollout(tmp_path)
+    nan = named[f"{site}.weight_scale"].clone()
+    nan.view(torch.uint8)[2, 1] = 0x7F
+    bad(f"{site}.weight_scale", nan)
+    with pytest.raises(QuantizationError, match=rf"{f}: {site}\.weight_scale: 1 NaN E4M3"):
+        qsgl.named_tensors_from_rollout(tmp_path)
+    bad(f"{site}.weight_scale_2", torch.tensor(float("nan")))
+    with pytest.raises(QuantizationError, match=rf"{site}\.weight_scale_2: invalid global scale \[nan\]"):
+        qsgl.named_tensors_from_rollout(tmp_path)
+    bad(f"{site}.weight_scale", None)  # codes without scales
+    with pytest.raises(QpassError, match=rf"{f}: site {site} has no {site}\.weight_scale"):
+        qsgl.named_tensors_from_rollout(tmp_path)
+    bad(f"{site}.weight", named[f"{site}.weight"])
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(QpassError, match=rf"{f}: not a readable safetensors file"):
+        qsgl.named_tensors_from_rollout(tmp_path)

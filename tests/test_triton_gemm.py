@@ -124,7 +124,7 @@ def test_w4a4_rac(mode, selection, per_token):
     assert rel_fro(y, ref) < 1e-5, (seed, m)
 
 
-def test_ops_dispatch_to_triton(monkeypatch):
+def test_ops_dispatch_to_triton(monkeypatch, triton_backend):
     """``use_kernels('triton')`` routes both custom ops to these kernels (CPU needs TRITON_INTERPRET=1)."""
     import qpass.ops as ops
 

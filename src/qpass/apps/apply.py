@@ -147,7 +147,7 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
     ``pipeline`` (tests, notebooks): reuse an already captured :class:`qpass.pipeline.Pipeline`
     instead of loading and capturing again; its step graph must have room for the probe.
     """
-    from qpass.runtime import TorchRollout  # noqa: F401 - import check before long work
+    from qpass.apps.plugins import load_backends
     from qpass.ops import effective_backend, use_kernels
     from qpass.parity.behavior import logprob_gap
     from qpass.parity.checker import check_structural, check_weights_bitexact
@@ -166,6 +166,7 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         con.print(f"[yellow]warning: --kernels {o.kernels} on {o.device} runs the {kernels_eff} ops "
                   "(Triton kernels need CUDA, or TRITON_INTERPRET=1 for the slow CPU interpreter)[/]")
     timings: dict[str, float] = {}
+    load_backends([o.kernels])  # the one registration path (qpass.apps.plugins)
     with atomic_dir(out, force=o.force) as tmp, use_kernels(o.kernels):
         with con.status(f"loading {o.model} and capturing graphs (torch.export)..."):
             from qpass.graph.model import load_model
@@ -362,6 +363,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
 
     ``pipeline``: reuse a captured :class:`qpass.pipeline.Pipeline` (tests).
     """
+    from qpass.apps.plugins import load_backends
     from qpass.ops import use_kernels
     from qpass.parity.checker import check_structural, check_weights_bitexact
     from qpass.pipeline import Pipeline
@@ -398,6 +400,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
                 raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
             raise
         model, bsz, max_len = o.model, 4, 64
+    load_backends([o.kernels])
     with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
         pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
         learner, rollout = pipe.build(recipe, debug=True)

@@ -322,11 +322,13 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
 
             if not torch.cuda.is_available():
                 raise CliError("--device cuda: no CUDA device is available")
-        if a.kernels == "triton":
-            try:
-                importlib.import_module("qpass.backends.triton")
-            except ImportError as exc:
-                raise CliError(f"--kernels triton: {exc}") from exc
+        from qpass.apps.plugins import load_backends
+        from qpass.errors import QpassError as _QpassError
+
+        try:
+            load_backends([a.kernels])  # the one registration path
+        except (_QpassError, ImportError) as exc:
+            raise CliError(f"--kernels {a.kernels}: {exc}") from exc
     except CliError as exc:
         ap.print_usage(sys.stderr)
         print(f"qpass grpo: error: {exc}", file=sys.stderr)

@@ -295,6 +295,9 @@ def run_study(cfg: StudyConfig, pipe: Any | None = None) -> dict[str, Any]:
 def _run(cfg: StudyConfig, pipe: Any | None) -> dict[str, Any]:
     from qpass.ops import use_kernels
 
+    from qpass.apps.plugins import load_backends
+
+    load_backends([cfg.kernels])  # the one registration path
     st = _Study(cfg, pipe)
     with use_kernels(cfg.kernels), torch.no_grad():
         graphs, roll_acts = st.base_rollouts()

@@ -42,7 +42,9 @@ class ParamSpec:
         kind: SGLang parameter class (``sglang.srt.layers.parameter``).
         dtype, shape: storage.
         input_dim, output_dim: which dims SGLang's loaders shard (None for per-shard scalars).
-        fill: initial content (``empty`` or ``ones``).
+        fill: initial content: ``empty``, ``ones``, or ``unloaded`` (NaN in every element: the
+            sentinel :func:`check_site_tensors` and the plugin refuse, so a scale the checkpoint or
+            weight update never wrote cannot be served).
         scalar_to_array: SGLang's ``needs_scalar_to_array`` attribute: a 0-d checkpoint scalar
             loads into this shard's slot of the ``[S]`` tensor.
     """
@@ -53,7 +55,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     input_dim: int | None
     output_dim: int | None
-    fill: Literal["empty", "ones"] = "empty"
+    fill: Literal["empty", "ones", "unloaded"] = "empty"
     scalar_to_array: bool = False
 
 
@@ -75,13 +77,62 @@ def linear_param_specs(input_size_per_partition: int, output_partition_sizes: Se
     n, s = sum(sizes), len(sizes)
     return [
         ParamSpec("weight", "ModelWeightParameter", torch.uint8, (n, k // 2), 1, 0),
-        ParamSpec("weight_scale", "ModelWeightParameter", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), 1, 0),
-        ParamSpec("weight_scale_2", "PerTensorScaleParameter", torch.float32, (s,), None, None, "empty", True),
+        ParamSpec("weight_scale", "ModelWeightParameter", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), 1, 0, "unloaded"),
+        ParamSpec("weight_scale_2", "PerTensorScaleParameter", torch.float32, (s,), None, None, "unloaded", True),
         ParamSpec("input_scale", "PerTensorScaleParameter", torch.float32, (s,), None, None, "ones", True),
     ]
 
 
 def make_tensor(p: ParamSpec, device: torch.device | str | None = None) -> torch.Tensor:
-    """Storage for ``p`` (``torch.empty`` or ``torch.ones``)."""
+    """Storage for ``p`` (``torch.empty``, ``torch.ones``, or the NaN ``unloaded`` sentinel)."""
+    if p.fill == "unloaded":
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        mark_unloaded(t)
+        return t
     fn = torch.ones if p.fill == "ones" else torch.empty
     return fn(p.shape, dtype=p.dtype, device=device)
+
+
+def mark_unloaded(t: torch.Tensor) -> None:
+    """Fill a scale tensor with NaN in place (E4M3 byte ``0x7F``; float32 NaN): "never loaded"."""
+    with torch.no_grad():
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        else:
+            t.fill_(float("nan"))
+
+
+def nan_scale_bytes(scales: torch.Tensor) -> int:
+    """Number of NaN E4M3 block scales (bytes ``0x7F`` / ``0xFF``)."""
+    return int(((scales.view(torch.uint8) & 0x7F) == 0x7F).sum())
+
+
+def check_site_tensors(site: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                       *, source: str = "") -> None:
+    """One site's checkpoint tensors are what a ``qpass_nvfp4`` layer can serve (module table).
+
+    ``weight`` uint8 ``[N, K/2]``; ``weight_scale`` float8_e4m3fn ``[N, K/16]`` without NaN bytes;
+    ``weight_scale_2`` float32 with one element (or one per fused shard), all bit-identical, finite
+    and > 0.
+
+    Raises:
+        QuantizationError: names ``source`` (file or origin), the site and what is wrong.
+    """
+    where = f"{source}: " if source else ""
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise QuantizationError(f"{where}{site}.weight: expected uint8 [N, K/2] codes, got {weight.dtype} {tuple(weight.shape)}")
+    n, half_k = weight.shape
+    want = (n, half_k * 2 // NVFP4_BLOCK)
+    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != want:
+        raise QuantizationError(f"{where}{site}.weight_scale: expected float8_e4m3fn {want} for weight {tuple(weight.shape)}, "
+                                f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    bad = nan_scale_bytes(weight_scale)
+    if bad:
+        raise QuantizationError(f"{where}{site}.weight_scale: {bad} NaN E4M3 block scale(s) (never loaded, or corrupt)")
+    if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() < 1:
+        raise QuantizationError(f"{where}{site}.weight_scale_2: expected a float32 scalar, got {weight_scale_2.dtype} {tuple(weight_scale_2.shape)}")
+    gs = weight_scale_2.detach().reshape(-1)
+    if not bool(torch.isfinite(gs).all()) or not bool((gs > 0).all()):
+        raise QuantizationError(f"{where}{site}.weight_scale_2: invalid global scale {gs.tolist()} (must be finite and > 0)")
+    if not bool((gs.view(torch.int32) == gs[:1].view(torch.int32)).all()):
+        raise QuantizationError(f"{where}{site}.weight_scale_2: differs per fused shard {gs.tolist()} (qpass shares one per group)")

@@ -9,11 +9,13 @@
   - ``create_weights``: the ``modelopt_fp4`` parameters of :mod:`.contract` (same names, dtypes,
     shapes and SGLang parameter classes), so ModelOpt and qpass checkpoints load through SGLang's
     own loaders (including TP sharding of the packed tensors and per-shard global scales);
-  - ``process_weights_after_loading``: checks that the fused shards' ``weight_scale_2`` are
-    bit-identical (qpass shares one global scale per group) and binds the decode global
-    ``layer.qpass_s_dec``; it never repacks, so it is idempotent and
-    ``restore_weights_before_loading`` has nothing to undo (RL weight-update sessions just reload
-    the checkpoint-format parameters in place);
+  - ``process_weights_after_loading`` (:func:`finish_loading`): refuses, naming the layer, a scale
+    that was never loaded (the scales start as a NaN sentinel), NaN block scales, and fused shards
+    whose ``weight_scale_2`` differ (qpass shares one global scale per group); binds the decode
+    global ``layer.qpass_s_dec``. It never repacks, so it is idempotent;
+    ``restore_weights_before_loading`` (:func:`begin_loading`, the start of an RL weight-update
+    session) re-poisons the scales, so an update that carries codes without scales is refused
+    rather than served with stale scales;
   - ``apply``: ``torch.ops.qpass.nvfp4_linear`` — qpass's own op (reference or Triton kernel), so
     the rollout math is qpass's: W4A16, or W4A4 with a dynamic per-tensor / per-token activation
     global scale and optional residual compensation. On a row-parallel layer with TP > 1 the
@@ -34,7 +36,7 @@ import torch
 from qpass.errors import QuantizationError
 
 from qpass.backends.sglang.config import METHOD_NAME, QpassSGLangOptions
-from qpass.backends.sglang.contract import NVFP4_BLOCK, linear_param_specs, make_tensor
+from qpass.backends.sglang.contract import NVFP4_BLOCK, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes
 
 
 def sglang_available() -> bool:
@@ -112,29 +114,11 @@ def plugin_classes() -> tuple[type, type]:
                 )
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            gs = layer.weight_scale_2.data.detach().float().reshape(-1)
-            bits = gs.view(torch.int32)
-            if not bool((bits == bits[0]).all()):
-                raise QuantizationError(
-                    f"{METHOD_NAME}: layer {self.prefix} has different weight_scale_2 per fused shard {gs.tolist()}; "
-                    "qpass checkpoints share one global scale per fused group (SPEC §3 rule 1)"
-                )
-            if not bool(torch.isfinite(gs).all()) or float(gs[0]) <= 0:
-                raise QuantizationError(f"{METHOD_NAME}: layer {self.prefix} has an invalid weight_scale_2 {gs.tolist()}")
-            sb = layer.weight_scale.data.view(torch.uint8)
-            if bool(((sb & 0x7F) == 0x7F).any()):
-                raise QuantizationError(f"{METHOD_NAME}: layer {self.prefix} has NaN E4M3 block-scale bytes")
-            s_dec = gs[0].reshape(()).clone()
-            cur = getattr(layer, "qpass_s_dec", None)
-            if isinstance(cur, torch.Tensor) and cur.shape == s_dec.shape and cur.device == s_dec.device:
-                cur.copy_(s_dec)  # keep the tensor's identity (CUDA graphs captured against it)
-            else:
-                if "qpass_s_dec" in layer._buffers:
-                    del layer._buffers["qpass_s_dec"]
-                layer.register_buffer("qpass_s_dec", s_dec, persistent=False)
+            finish_loading(layer, self.prefix)
 
         def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
-            """Nothing to undo: parameters keep the checkpoint layout (no repacking)."""
+            """A weight update begins: mark the scales unloaded (nothing else to undo: no repacking)."""
+            begin_loading(layer)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             act = self.act
@@ -200,6 +184,53 @@ def plugin_classes() -> tuple[type, type]:
     return QpassNvfp4Config, QpassNvfp4LinearMethod
 
 
+def begin_loading(layer: torch.nn.Module) -> None:
+    """Before a (re)load: poison ``weight_scale`` / ``weight_scale_2`` with the NaN sentinel, so an
+    update that carries codes without their scales is refused by :func:`finish_loading` instead of
+    serving new codes with stale (or never-written) scales."""
+    mark_unloaded(layer.weight_scale.data)
+    mark_unloaded(layer.weight_scale_2.data)
+
+
+def finish_loading(layer: torch.nn.Module, prefix: str) -> None:
+    """After loading: check what the layer will serve and bind ``layer.qpass_s_dec`` (idempotent).
+
+    Raises:
+        QuantizationError: names the layer: a scale never loaded (the NaN sentinel survived: the
+            checkpoint or update did not carry it), NaN block-scale bytes, a non-finite or
+            non-positive global scale, or different global scales per fused shard.
+    """
+    gs = layer.weight_scale_2.data.detach().float().reshape(-1)
+    if bool(torch.isnan(gs).any()):
+        missing = [i for i, v in enumerate(gs.tolist()) if v != v]
+        raise QuantizationError(
+            f"{METHOD_NAME}: layer {prefix}: weight_scale_2 of shard(s) {missing} was never loaded "
+            "(the checkpoint or weight update did not carry it); refusing to serve"
+        )
+    bits = gs.view(torch.int32)
+    if not bool((bits == bits[0]).all()):
+        raise QuantizationError(
+            f"{METHOD_NAME}: layer {prefix} has different weight_scale_2 per fused shard {gs.tolist()}; "
+            "qpass checkpoints share one global scale per fused group (SPEC §3 rule 1)"
+        )
+    if not bool(torch.isfinite(gs).all()) or float(gs[0]) <= 0:
+        raise QuantizationError(f"{METHOD_NAME}: layer {prefix} has an invalid weight_scale_2 {gs.tolist()}")
+    bad = nan_scale_bytes(layer.weight_scale.data)
+    if bad:
+        raise QuantizationError(
+            f"{METHOD_NAME}: layer {prefix}: {bad}/{layer.weight_scale.numel()} weight_scale bytes are NaN "
+            "(never loaded: the checkpoint or weight update carried codes without their block scales, or corrupt); refusing to serve"
+        )
+    s_dec = gs[0].reshape(()).clone()
+    cur = getattr(layer, "qpass_s_dec", None)
+    if isinstance(cur, torch.Tensor) and cur.shape == s_dec.shape and cur.device == s_dec.device:
+        cur.copy_(s_dec)  # keep the tensor's identity (CUDA graphs captured against it)
+    else:
+        if "qpass_s_dec" in layer._buffers:
+            del layer._buffers["qpass_s_dec"]
+        layer.register_buffer("qpass_s_dec", s_dec, persistent=False)
+
+
 def _tp_group(layer: torch.nn.Module) -> object | None:
     """The torch.distributed group of the layer's tensor-parallel ranks (None when TP = 1)."""
     for attr in ("tp_group", "tp_process_group"):
@@ -211,4 +242,4 @@ def _tp_group(layer: torch.nn.Module) -> object | None:
     return get_tp_group().device_group
 
 
-__all__ = ["NVFP4_BLOCK", "activation_for_row_parallel", "plugin_classes", "sglang_available"]
+__all__ = ["NVFP4_BLOCK", "activation_for_row_parallel", "begin_loading", "finish_loading", "plugin_classes", "sglang_available"]

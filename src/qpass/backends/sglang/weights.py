@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from qpass.backends.sglang.contract import check_site_tensors
 from qpass.errors import QpassError
 from qpass.graph.sites import DEFAULT_EXCLUDE, _group_of, _matches
 from qpass.quant.groups import group_amax
@@ -52,7 +53,12 @@ def named_tensors_from_rollout(source: Any, *, extra: Mapping[str, torch.Tensor]
     other = sorted(k for k in tensors if k.endswith(".weight") and k[: -len(".weight")] not in sites)
     if other:
         raise QpassError(f"SGLang qpass_nvfp4 serves NVFP4 sites only; the rollout also has {other[:3]} (FP8/MXFP4)")
+    origin = _origin(source)
     for s in sites:
+        missing = [x for x in SGLANG_SUFFIXES if f"{s}.{x}" not in tensors]
+        if missing:
+            raise QpassError(f"{origin}: site {s} has no {', '.join(f'{s}.{x}' for x in missing)}")
+        check_site_tensors(s, *(tensors[f"{s}.{x}"] for x in SGLANG_SUFFIXES), source=origin)
         for suffix in SGLANG_SUFFIXES:
             out[f"{s}.{suffix}"] = tensors[f"{s}.{suffix}"].contiguous()
     check_fused_global_scales(out)
@@ -63,15 +69,26 @@ def named_tensors_from_rollout(source: Any, *, extra: Mapping[str, torch.Tensor]
     return sorted(out.items())
 
 
+def _rollout_file(d: Path) -> Path:
+    return d / "rollout" / "weights.safetensors" if (d / "rollout").is_dir() else d / "weights.safetensors"
+
+
+def _origin(source: Any) -> str:
+    """How errors name the source: the file read, or the rollout graph."""
+    return str(_rollout_file(Path(source))) if isinstance(source, str | Path) else "rollout graph"
+
+
 def _rollout_tensor_dict(source: Any) -> dict[str, torch.Tensor]:
     if isinstance(source, str | Path):
         from safetensors.torch import load_file
 
-        d = Path(source)
-        f = d / "rollout" / "weights.safetensors" if (d / "rollout").is_dir() else d / "weights.safetensors"
+        f = _rollout_file(Path(source))
         if not f.exists():
             raise QpassError(f"{f} not found (expected a qpass apply output directory)")
-        return load_file(str(f))
+        try:
+            return load_file(str(f))
+        except Exception as e:  # noqa: BLE001 - safetensors raises bare errors (truncated, bad header) without the path
+            raise QpassError(f"{f}: not a readable safetensors file (truncated or corrupt?): {e}") from e
     from qpass.apps.artifacts import rollout_tensors
 
     return rollout_tensors(source)

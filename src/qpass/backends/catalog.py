@@ -1,0 +1,27 @@
+"""The built-in backends as :class:`~qpass.backends.base.Backend` objects (importable without any
+backend dependency; :func:`qpass.apps.plugins.load_backends` registers them).
+
+==========  =====================================  ============================================
+name        registers                              needs
+==========  =====================================  ============================================
+triton      ``kernels`` entries (``qpass::nvfp4_linear``, ``qpass::fp8_linear``), quantizers   ``triton``
+onnx        ``onnx`` emitters for every spec       ``onnx``, ``ml_dtypes``
+sglang      the ``qpass_nvfp4`` method in SGLang   ``sglang`` (its checkpoint helpers need only torch)
+megatron    the NVFP4 fake-quant learner hooks     ``megatron-core``
+==========  =====================================  ============================================
+"""
+
+from __future__ import annotations
+
+from qpass.backends.base import ModuleBackend
+
+TRITON = ModuleBackend("triton", "qpass.backends.triton.registry", ("triton",),
+                       "pip install 'qpass[triton]' (triton==3.6.0)")
+ONNX = ModuleBackend("onnx", "qpass.backends.onnx", ("onnx", "ml_dtypes"), "pip install 'qpass[onnx]'")
+SGLANG = ModuleBackend("sglang", "qpass.backends.sglang", ("sglang",), "pip install 'qpass[sglang]'",
+                       hook="qpass.backends.sglang:register")
+MEGATRON = ModuleBackend("megatron", "qpass.backends.megatron", ("megatron",), "pip install 'qpass[megatron]' (megatron-core==0.16.1)")
+
+BUILTIN = (TRITON, ONNX, SGLANG, MEGATRON)
+
+__all__ = ["BUILTIN", "MEGATRON", "ONNX", "SGLANG", "TRITON"]
