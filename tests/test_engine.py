@@ -113,3 +113,19 @@ def test_prefill_args_match_the_old_rollout_prefill():
         assert torch.equal(a, e)
     with pytest.raises(ValueError, match="no rows"):
         left_pad([], pad_token_id=0)
+
+
+def test_study_prefill_capture_uses_the_shared_prefill(tiny_pipeline):
+    from qpass.apps.study.layerwise import SiteRecorder, capture_prefill
+    from qpass.sampling import positions_from_mask
+
+    _, ro = _engines(tiny_pipeline)
+    ids, am = left_pad([[5, 6, 7, 8], [9, 10], [11], [12, 13, 14]], pad_token_id=0)
+    got = capture_prefill(ro.qg, ids, am)
+    mask = torch.zeros(4, ro.max_len, dtype=torch.long)  # what capture_prefill built inline before
+    mask[:, :4] = am
+    rec = SiteRecorder(ro.qg.gm)
+    rec.run(ids, positions_from_mask(am), torch.arange(4), mask)
+    assert got.keys() == rec.acts.keys() and len(got) >= 14
+    for sid in got:
+        assert all(torch.equal(a, b) for a, b in zip(got[sid], rec.acts[sid])), sid

@@ -127,11 +127,10 @@ def capture_prefill(rollout: QGraph, input_ids: torch.Tensor, attention_mask: to
     bs, ml = int(rollout.captured.batch_size), int(rollout.captured.max_len)
     if b != bs or t > ml:
         raise ValueError(f"prefill capture needs batch {bs} and T <= {ml}, got [{b}, {t}]")
-    dev = input_ids.device
-    mask = torch.zeros(b, ml, dtype=torch.long, device=dev)
-    mask[:, :t] = attention_mask.long()
+    from qpass.runtime.prefill import step_prefill_args
+
     rec = SiteRecorder(rollout.gm)
-    rec.run(input_ids, positions_from_mask(attention_mask), torch.arange(t, device=dev), mask)
+    rec.run(*step_prefill_args(input_ids, attention_mask, batch_size=bs, max_len=ml))
     return rec.acts
 
 
