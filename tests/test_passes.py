@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from qpass.errors import NoMatchError, PassError, PostconditionError, PreconditionError, VerificationError
+from qpass.errors import NoMatchError, PassError, PostconditionError, PreconditionError, RecipeError, VerificationError
 from qpass.graph.verify import verify
 from qpass.ops import _nvfp4_linear_ref
 from qpass.pm import Pass, PassContext, PassManager, PassResult
@@ -170,8 +170,9 @@ def test_static_rac_calibration(tiny_pipeline):
 
 
 def test_pass_that_matches_nothing_fails_loudly(tiny_pipeline):
+    # a pattern that matches no captured site fails before any pass runs (qpass.recipe.check_site_globs)
     text = 'name: x\nrollout:\n  - pass: w4a4_lower\n    targets: ["*.no_such_proj"]\n'
-    with pytest.raises(NoMatchError, match=r"matched 0 site\(s\), expected at least 1.*no_such_proj"):
+    with pytest.raises(RecipeError, match=r"<recipe>:3: rollout pass 'w4a4_lower': targets pattern '\*.no_such_proj' matches no site"):
         tiny_pipeline.build(parse_recipe(text))
     text = 'name: x\nrollout:\n  - pass: w4a4_lower\n    targets: ["*lm_head"]\n'
     with pytest.raises(NoMatchError):  # lm_head is excluded by default: explicit, not silent

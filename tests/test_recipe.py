@@ -65,3 +65,23 @@ def test_parity_checks_validate():
 def test_missing_recipe_lists_builtins():
     with pytest.raises(RecipeError, match="built-in recipes: .*quads_nvfp4"):
         load_recipe("recipes/does_not_exist.yaml")
+
+
+def test_target_glob_that_matches_nothing_fails_before_any_pass_with_nearest_names(tiny_pipeline, monkeypatch):
+    """Old code: the typo surfaced only when its pass ran (after every pass before it)."""
+    import qpass.pm as pm
+    from qpass.errors import RecipeError
+
+    text = ('name: x\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n'
+            '    targets: ["*.mlp.gate_proj", "*.mlp.up_projj"]\n')
+    ran = []
+    real_run = pm.PassManager.run
+    monkeypatch.setattr(pm.PassManager, "run", lambda self, *a, **k: ran.append(1) or real_run(self, *a, **k))
+    with pytest.raises(RecipeError) as e:
+        tiny_pipeline.build(parse_recipe(text))
+    msg = str(e.value)
+    assert msg.startswith("<recipe>:6: rollout pass 'residual_compensation': targets pattern '*.mlp.up_projj' matches no site")
+    assert "nearest: *.mlp.up_proj" in msg and ran == []
+    bad_exclude = 'name: x\nrollout:\n  - pass: w4a4_lower\n    exclude: ["model.layers.9.*"]\n'
+    with pytest.raises(RecipeError, match=r"exclude pattern 'model.layers.9.\*' matches no site.*nearest: model.layers.1."):
+        tiny_pipeline.build(parse_recipe(bad_exclude))

@@ -24,7 +24,7 @@ from qpass.graph.capture import capture_scoring, capture_step
 from qpass.graph.model import LoadedModel, load_model
 from qpass.graph.qgraph import QGraph
 from qpass.pm import PassContext, PassManager
-from qpass.recipe import Recipe
+from qpass.recipe import Recipe, check_site_globs
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,12 @@ class Pipeline:
         """Clone the base graphs and apply ``recipe`` (learner passes, then rollout passes).
 
         Raises:
-            RecipeError, PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
+            RecipeError: a pass's ``targets``/``exclude`` pattern matches no captured site (checked
+                before any pass runs, see :func:`qpass.recipe.check_site_globs`); see also
+                :meth:`qpass.pm.PassManager.run`.
+            PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
         """
+        check_site_globs(recipe, list(dict.fromkeys([*self.base_scoring.sites, *self.base_step.sites])), self.loaded.name)
         ctx = PassContext(debug=debug, reproducer_dir=reproducer_dir, calibration=calibration, recipe_path=recipe.path)
         learner = self.base_scoring.clone("learner")
         for p in learner.gm.parameters():

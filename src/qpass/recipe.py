@@ -217,6 +217,45 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
     )
 
 
+def check_site_globs(recipe: Recipe, site_ids: list[str], model: str = "the model") -> None:
+    """Check every pass's explicitly given ``targets`` / ``exclude`` patterns against the captured sites.
+
+    Run right after capture, before any pass (:meth:`qpass.pipeline.Pipeline.build` calls it), so a
+    typo fails in seconds instead of after a long build. Default patterns (``targets: ["*"]``, the
+    default ``exclude`` list) are not checked.
+
+    Raises:
+        RecipeError: ``path:line: pass NAME: targets pattern P matches no site of MODEL``, with the
+            nearest site names (difflib) when there are any.
+    """
+    from qpass.graph.sites import _matches
+
+    for side, passes in (("learner", recipe.learner), ("rollout", recipe.rollout)):
+        for p in passes:
+            for key in ("targets", "exclude"):
+                if key not in p.options.model_fields_set:
+                    continue
+                for pat in getattr(p.options, key):
+                    if any(_matches(s, pat) for s in site_ids):
+                        continue
+                    near = nearest_sites(pat, site_ids)
+                    hint = f"; nearest: {', '.join(near)}" if near else f"; sites look like {', '.join(site_ids[:3])}"
+                    raise RecipeError(f"{recipe.path or '<recipe>'}:{p.line or '?'}: {side} pass {p.name!r}: {key} pattern "
+                                      f"{pat!r} matches no site of {model} ({len(site_ids)} sites){hint}")
+
+
+def nearest_sites(pattern: str, site_ids: list[str], n: int = 3) -> list[str]:
+    """Site names (and their layer-generalized globs, ``*.mlp.up_proj``) closest to ``pattern`` (difflib)."""
+    import re
+
+    cands = set(site_ids)
+    for s in site_ids:
+        cands.add(re.sub(r"\.\d+\.", ".*.", s))
+        cands.add("*." + ".".join(s.split(".")[-2:]))
+    bare = pattern[3:] if pattern.startswith("re:") else pattern
+    return difflib.get_close_matches(bare, sorted(cands), n=n, cutoff=0.5)
+
+
 def builtin_recipes() -> dict[str, Path]:
     """Shipped recipes by name (files ``recipes/*.yaml``)."""
     root = importlib.resources.files("qpass.recipes")
