@@ -146,7 +146,9 @@ def copy_apply_output(src: Path, dst: Path, *, learner: bool = True) -> Path:
     learner state (270 MB on the default model) is hard-linked when possible, so tests must only
     read it (``save_file`` rewrites in place and would reach the shared original)."""
     dst.mkdir(parents=True)
-    shutil.copy(src / "report.json", dst / "report.json")
+    for f in src.iterdir():  # report.json, report.md, plots (report.json lists the sha256 of each)
+        if f.is_file():
+            shutil.copy(f, dst / f.name)
     shutil.copytree(src / "rollout", dst / "rollout")
     if learner and (src / "learner").is_dir():
         (dst / "learner").mkdir()

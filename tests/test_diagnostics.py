@@ -167,6 +167,21 @@ def test_all_masked_batch_is_nan_no_data():
 # --------------------------------------------------------------------------- non-finite d
 
 
+@pytest.mark.parametrize("shape", [(0, 0), (0, 5), (3, 0)])
+def test_empty_batch_is_defined_no_exception(shape):
+    """Old code: amax() of an empty token dimension raised IndexError (the docstring promises no exception)."""
+    import json
+
+    from qpass.jsonio import dumps
+
+    z = torch.zeros(shape)
+    m = mismatch_metrics(z, z, torch.zeros(shape, dtype=torch.bool))
+    assert (m.n_tokens, m.n_finite, m.n_responses, m.token.count, m.response.count) == (0, 0, shape[0], 0, 0)
+    assert all(math.isnan(v) for v in (m.token.g_abs, m.token.k1, m.token.k3, m.token.ess_raw, m.max_abs, m.response.g_abs))
+    row = json.loads(dumps(m.to_dict("gap/")))  # written as null + reason, never NaN
+    assert row["gap/max_abs"] is None and row["gap/max_abs_reason"] == "non-finite: nan"
+
+
 def test_nonfinite_policy():
     # row0: d = [0, +inf]  (logq = -inf: the rollout gave the sampled token probability 0)
     # row1: d = [-inf, ln2] (logp = -inf: the learner gives it probability 0)

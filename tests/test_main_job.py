@@ -69,7 +69,9 @@ def test_apply_quads_report(quads_apply_dir):
 def test_check_passes_then_fails_naming_a_planted_scale_bit(quads_apply_dir, default_pipeline, tmp_path):
     _, _, out = quads_apply_dir
     status, res = run_check(str(out), ApplyOptions(), pipeline=default_pipeline)
-    assert status == 0 and res["weights_bitexact"] is True and res["loaded"]["rollout_tensors"] == 3 * 210
+    # every tensor written is loaded and compared (codes, scales, S_dec and S_enc per site; was 3 * 210)
+    assert status == 0 and res["weights_bitexact"] is True and res["loaded"]["rollout_tensors"] == 4 * 210
+    assert res["compared"]["rollout_tensors"] == 4 * 210 and res["checksums_ok"] is True
     d = copy_apply_output(out, tmp_path / "copy")  # the session's apply output stays untouched
     path = d / "rollout" / "weights.safetensors"
     tensors = load_file(str(path))
@@ -77,6 +79,8 @@ def test_check_passes_then_fails_naming_a_planted_scale_bit(quads_apply_dir, def
     raw[100, 7] ^= 0x01
     save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
     status, res = run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
+    assert status == 1 and res["checksums_ok"] is False  # found by the sha256 in report.json, before any rebuild
+    status, res = run_check(str(d), ApplyOptions(), pipeline=default_pipeline, checksums=False)
     assert status == 1 and res["weights_bitexact"] is False
     assert res["mismatched_groups"] == [SITE.replace("up_proj", "gate_up")]
     assert any(f.startswith(f"{SITE}: 1/") and "(first at (100, 7))" in f for f in res["failures"])
@@ -150,9 +154,10 @@ def test_check_rejects_missing_or_corrupt_artifacts_before_loading(quads_apply_d
         run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
     rep = json.loads((d / "report.json").read_text())
     del rep["artifacts"]["learner"]
+    del rep["artifacts"]["sha256"]["learner/model.safetensors"]
     (d / "report.json").write_text(json.dumps(rep))
     status, res = run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
-    assert res["loaded"] == {"rollout_tensors": 3 * 210}
+    assert res["loaded"] == {"rollout_tensors": 4 * 210}
     # bit-exact against the in-memory learner of the shared pipeline, which still holds the masters
     assert status == 0 and res["weights_bitexact"] is True
     weights = d / "rollout" / "weights.safetensors"

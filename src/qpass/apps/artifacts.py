@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ from qpass.errors import QpassError
 from qpass.graph.capture import site_of
 from qpass.graph.qgraph import QGraph
 
-__all__ = ["atomic_dir", "load_learner_into", "load_rollout_into", "probe_safetensors", "rollout_tensors",
-           "save_learner", "save_rollout", "write_json"]
+__all__ = ["atomic_dir", "compare_tensors", "file_checksums", "load_learner_into", "load_rollout_into", "probe_safetensors",
+           "read_tensors", "rollout_tensors", "save_learner", "save_rollout", "verify_checksums", "write_json"]
 
 
 def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
@@ -41,18 +42,8 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
         c = rec.get("constants")
         if not c:
             continue
-        if rec["kind"] == "nvfp4_linear":
-            s_dec = rollout.gm.get_buffer(c["s_dec"]).detach().cpu()
-            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["codes"]).detach().cpu()
-            out[f"{sid}.weight_scale"] = rollout.gm.get_buffer(c["scales"]).detach().cpu()
-            out[f"{sid}.weight_scale_2"] = s_dec
-            out[f"{sid}.weight_global_scale"] = rollout.gm.get_buffer(c["s_enc"]).detach().cpu()
-        elif rec["kind"] == "fp8_linear":
-            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["data"]).detach().cpu()
-            out[f"{sid}.weight_scale_inv"] = rollout.gm.get_buffer(c["scale"]).detach().cpu()
-        elif rec["kind"] == "mxfp4_linear":
-            out[f"{sid}.weight"] = rollout.gm.get_buffer(c["codes"]).detach().cpu()
-            out[f"{sid}.weight_scale"] = rollout.gm.get_buffer(c["scales"]).detach().cpu()
+        for fname, cname in ROLLOUT_FIELDS[rec["kind"]]:
+            out[f"{sid}.{fname}"] = rollout.gm.get_buffer(c[cname]).detach().cpu()
         ch = _static_channels(rollout, sid)
         if ch is not None:
             out[f"{sid}.rac_channels"] = ch.detach().cpu()
@@ -131,33 +122,42 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
         raise QpassError(f"{path} is not a readable safetensors file: {exc}") from exc
 
 
-def load_rollout_into(rollout: QGraph, path: Path) -> int:
-    """Overwrite the rollout graph's quantized constants with a saved ``weights.safetensors``.
+ROLLOUT_FIELDS = {  # checkpoint suffix -> rollout constant, per rollout op kind (see module docstring)
+    "nvfp4_linear": (("weight", "codes"), ("weight_scale", "scales"), ("weight_scale_2", "s_dec"),
+                     ("weight_global_scale", "s_enc")),
+    "fp8_linear": (("weight", "data"), ("weight_scale_inv", "scale")),
+    "mxfp4_linear": (("weight", "codes"), ("weight_scale", "scales")),
+}
 
-    Returns the number of tensors loaded.
+
+def load_rollout_into(rollout: QGraph, path: Path) -> int:
+    """Overwrite the rollout graph's quantized constants with **every** tensor of a saved ``weights.safetensors``.
+
+    Returns the number of tensors loaded (4 per NVFP4 site, 2 per FP8 / MXFP4 site, +1 per static
+    RAC site: the whole file).
     Raises:
-        QpassError: unreadable file, a site of the graph is missing from the file, or shapes/dtypes differ.
+        QpassError: unreadable file; a tensor the graph needs is missing from the file; the file
+            has tensors the graph has no constant for (named); shapes/dtypes differ.
     """
     data = _load(path)
     n = 0
+    used: set[str] = set()
+    missing: list[str] = []
     for sid, rec in rollout.quant.items():
         c = rec.get("constants")
         if not c:
             continue
-        pairs = {
-            "nvfp4_linear": (("weight", "codes"), ("weight_scale", "scales"), ("weight_scale_2", "s_dec")),
-            "fp8_linear": (("weight", "data"), ("weight_scale_inv", "scale")),
-            "mxfp4_linear": (("weight", "codes"), ("weight_scale", "scales")),
-        }[rec["kind"]]
-        for fname, cname in pairs:
+        for fname, cname in ROLLOUT_FIELDS[rec["kind"]]:
             key = f"{sid}.{fname}"
             if key not in data:
-                raise QpassError(f"{path}: missing tensor {key}")
+                missing.append(key)
+                continue
             buf = rollout.gm.get_buffer(c[cname])
             t = data[key]
             if t.shape != buf.shape or t.dtype != buf.dtype:
                 raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the graph expects {buf.dtype}{tuple(buf.shape)}")
             buf.copy_(t)
+            used.add(key)
             n += 1
         ch = _static_channels(rollout, sid)
         if ch is not None:
@@ -165,8 +165,85 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
             if key not in data or data[key].shape != ch.shape:
                 raise QpassError(f"{path}: missing or misshapen static RAC channels {key}")
             ch.copy_(data[key])
+            used.add(key)
             n += 1
+    if missing:
+        raise QpassError(f"{path}: missing {len(missing)} tensor(s) the rollout graph needs: {_names(missing)}")
+    extra = sorted(set(data) - used)
+    if extra:
+        raise QpassError(f"{path}: {len(extra)} tensor(s) the rollout graph has no constant for: {_names(extra)}")
     return n
+
+
+def _names(keys: list[str], limit: int = 5) -> str:
+    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def compare_tensors(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], what: str) -> list[str]:
+    """Bit-level comparison of two tensor dicts (every key). Returns one problem per differing tensor.
+
+    A problem names the tensor and, for a value difference, how many elements differ and the first
+    index; missing and extra tensors are problems too.
+    """
+    problems = [f"{what}: {k} is missing from the file" for k in sorted(set(expected) - set(actual))]
+    problems += [f"{what}: {k} is in the file but not produced by the recipe" for k in sorted(set(actual) - set(expected))]
+    for k in sorted(set(expected) & set(actual)):
+        e, a = expected[k], actual[k]
+        if e.shape != a.shape or e.dtype != a.dtype:
+            problems.append(f"{what}: {k} is {a.dtype}{tuple(a.shape)}, expected {e.dtype}{tuple(e.shape)}")
+            continue
+        eb, ab = _bits(e), _bits(a)
+        if not torch.equal(eb, ab):
+            diff = (eb != ab).reshape(eb.shape)
+            first = tuple(int(i) for i in diff.nonzero()[0]) if diff.dim() else ()
+            problems.append(f"{what}: {k}: {int(diff.sum())}/{diff.numel()} elements differ (first at {first})")
+    return problems
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (NaN payloads and -0.0 compare as bytes, not as values)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file. Raises QpassError naming the file if it is unreadable."""
+    return _load(Path(path))
+
+
+def file_checksums(root: Path, exclude: tuple[str, ...] = ("report.json",)) -> dict[str, str]:
+    """sha256 (hex) of every file under ``root`` (relative POSIX paths, sorted), except ``exclude``."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in exclude:
+            out[rel] = sha256_file(p)
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checksums(root: Path, sums: dict[str, str]) -> list[str]:
+    """Compare the files under ``root`` with the sha256 sums recorded in ``report.json``.
+
+    Returns one problem per missing or changed file (no model needed: seconds even for the learner state).
+    """
+    problems = []
+    for rel, want in sorted(sums.items()):
+        p = Path(root) / rel
+        if not p.is_file():
+            problems.append(f"{rel}: listed in report.json but missing")
+        elif sha256_file(p) != want:
+            problems.append(f"{rel}: sha256 differs from report.json (the file changed after qpass apply wrote it)")
+    return problems
 
 
 def save_learner(learner: QGraph, path: Path) -> int:
@@ -186,17 +263,32 @@ def save_learner(learner: QGraph, path: Path) -> int:
 def load_learner_into(learner: QGraph, path: Path) -> int:
     """Load master weights saved by :func:`save_learner` (tied parameters get the same values).
 
+    Every parameter of the graph must be in the file and every tensor of the file must be a
+    parameter: nothing is silently taken from the freshly loaded model.
+
     Raises:
-        QpassError: unreadable file, or no parameter of the graph in it.
+        QpassError: unreadable file; parameters missing from the file or tensors the graph has no
+            parameter for (named); a shape/dtype mismatch.
     """
     data = _load(path)
     n = 0
+    used: set[str] = set()
+    missing: list[str] = []
     with torch.no_grad():
         for name, p in learner.gm.named_parameters(remove_duplicate=False):
             key = site_of(name)
-            if key in data:
-                p.copy_(data[key])
-                n += 1
-    if n == 0:
-        raise QpassError(f"{path}: no learner parameter matched")
+            if key not in data:
+                missing.append(key)
+                continue
+            t = data[key]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the learner expects {p.dtype}{tuple(p.shape)}")
+            p.copy_(t)
+            used.add(key)
+            n += 1
+    if missing:
+        raise QpassError(f"{path}: missing {len(set(missing))} learner parameter(s): {_names(sorted(set(missing)))}")
+    extra = sorted(set(data) - used)
+    if extra:
+        raise QpassError(f"{path}: {len(extra)} tensor(s) that are no learner parameter: {_names(extra)}")
     return n

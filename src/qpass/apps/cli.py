@@ -65,7 +65,7 @@ def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "apply": _lazy("qpass.apps.apply", "main_apply"),
-    "check": _lazy("qpass.apps.apply", "main_check"),
+    "check": _lazy("qpass.apps.check", "main_check"),
     "recipes": _recipes,
     "bench": _lazy("qpass.backends.triton.bench", "main"),
     "grpo": _lazy("qpass.apps.grpo.cli", "grpo_main"),

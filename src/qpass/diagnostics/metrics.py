@@ -157,6 +157,8 @@ def _ess_rows(d: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     Returns ``(ess [R] float64, n [R] int64)``; rows with ``n == 0`` hold an arbitrary value.
     """
+    if d.shape[-1] == 0:  # no token column at all (an empty batch): every row has n == 0
+        return torch.zeros(d.shape[:-1], dtype=d.dtype, device=d.device), torch.zeros(d.shape[:-1], dtype=torch.int64, device=d.device)
     pos = sel & (d == math.inf)
     fin = sel & torch.isfinite(d)
     n = sel.sum(-1)

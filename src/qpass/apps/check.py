@@ -1,0 +1,184 @@
+"""``qpass check DIR|RECIPE``: re-verify saved artifacts of ``qpass apply``, or a recipe on fresh graphs.
+
+For a saved ``DIR``, in order (each stage fails before the slower next one):
+
+1. ``report.json`` is read and the safetensors headers it lists (a missing or corrupt file is exit 2);
+2. the sha256 of every file ``report.json`` lists is compared (seconds, no model): a flipped byte in
+   any artifact fails here (exit 1), naming the file (``--no-checksums`` skips this to get the
+   site-level diagnosis of stage 4);
+3. both graphs are rebuilt from the saved recipe; the learner state is loaded (every parameter must
+   be in the file, every tensor of the file must be a parameter); the rollout constants a fresh
+   quantization of those master weights gives are compared with **every** tensor of
+   ``rollout/weights.safetensors`` (codes, block scales, ``S_dec``, ``S_enc``, static RAC channels;
+   missing or extra tensors named);
+4. the saved rollout bytes are loaded into the rollout graph and the parity checks of
+   :mod:`qpass.apps.parity_checks` run on it (the same registry ``qpass apply`` runs), naming the
+   site and fused group of any difference.
+
+For a recipe, stages 3-4 run on freshly built graphs (no files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from qpass.apps.artifacts import (
+    compare_tensors,
+    load_learner_into,
+    load_rollout_into,
+    probe_safetensors,
+    read_tensors,
+    rollout_tensors,
+    verify_checksums,
+    write_json,
+)
+from qpass.apps.console import console, print_check_problems
+from qpass.apps.options import ApplyOptions, add_common_args
+from qpass.apps.parity_checks import BehaviorProbe, CheckContext, run_checks
+from qpass.errors import QpassError, RecipeError
+from qpass.recipe import load_recipe, parse_recipe
+
+__all__ = ["main_check", "run_check"]
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    try:
+        rep = json.loads((path / "report.json").read_text())
+        rep["recipe"]["text"], rep["parity"]["probe"]["rollout_batch"], rep["parity"]["probe"]["max_len"]  # noqa: B018
+    except (ValueError, KeyError, TypeError) as exc:
+        raise QpassError(f"{path / 'report.json'} is not a readable qpass report ({type(exc).__name__}: {exc})") from exc
+    return rep
+
+
+def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipeline: Any = None,
+              checksums: bool = True) -> tuple[int, dict[str, Any]]:
+    """``qpass check DIR`` (saved artifacts) or ``qpass check RECIPE`` (fresh graphs, no outputs).
+
+    Returns (exit status, result): 0 every comparison passed, 1 a comparison failed (the result's
+    ``failures`` name the file, tensor or site).
+
+    Args:
+        pipeline: reuse a captured :class:`qpass.pipeline.Pipeline` (tests).
+        checksums: compare the files with the sha256 sums in ``report.json`` first (and stop there
+            on a difference).
+    Raises:
+        QpassError: ``target`` is neither an output directory nor a recipe; unreadable report;
+            missing, truncated or inconsistent artifact files (exit 2).
+    """
+    from qpass.apps.plugins import load_backends
+    from qpass.ops import use_kernels
+    from qpass.pipeline import Pipeline
+
+    con = console()
+    path = Path(target)
+    if path.is_dir() and not (path / "report.json").is_file():
+        raise QpassError(f"{path} is not a `qpass apply` output directory (no report.json); "
+                         "qpass check takes such a directory or a recipe")
+    if not path.exists() and os.sep in target and not target.endswith((".yaml", ".yml")):
+        raise QpassError(f"{path} does not exist; qpass check takes a `qpass apply` output directory or a recipe")
+    saved = path.is_dir()
+    result: dict[str, Any] = {"target": target}
+    arts: dict[str, Any] = {}
+    if saved:
+        rep = _read_report(path)
+        probe = rep["parity"]["probe"]
+        bsz, max_len = probe["rollout_batch"], probe["max_len"]
+        arts = rep.get("artifacts") or {}
+        sums = arts.get("sha256")
+        # validate the artifacts before the (slow) model load: a missing or corrupt file is bad input
+        if arts.get("rollout", {}).get("weights"):
+            probe_safetensors(path / "rollout" / "weights.safetensors", "rollout weights")
+        if arts.get("learner"):
+            probe_safetensors(path / "learner" / "model.safetensors", "learner state")
+        if checksums and sums:
+            problems = verify_checksums(path, sums)
+            result["checksums_ok"] = not problems
+            if problems:
+                print_check_problems(con, "checksum", problems)
+                con.print(f"qpass check {target}: [red]FAIL[/] (files differ from what qpass apply wrote; "
+                          "--no-checksums rebuilds the graphs to name the sites)")
+                return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
+            con.print(f"checksums: {len(sums)} files match report.json")
+        recipe = parse_recipe(rep["recipe"]["text"], str(path / "rollout" / "recipe.yaml"))
+        model = o.model if o.model != "default" else rep.get("model", {}).get("ref", "default")
+    else:
+        try:
+            recipe = load_recipe(target)
+        except RecipeError as exc:
+            if "not found" in str(exc):
+                raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
+            raise
+        model, bsz, max_len = o.model, 4, 64
+    result["recipe"] = recipe.name
+    failures: list[str] = []
+    loaded: dict[str, int] = {}
+    load_backends([o.kernels])
+    with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
+        pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
+        learner, rollout = pipe.build(recipe, debug=True)
+        if arts.get("learner"):
+            loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
+        if arts.get("rollout", {}).get("weights"):
+            from qpass.runtime import sync_weights
+
+            sync_weights(learner, rollout)  # what the saved (or fresh) masters quantize to
+            saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
+            tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
+            result["compared"] = {"rollout_tensors": len(saved_tensors)}
+            failures += tensor_problems
+            loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
+    result["loaded"] = loaded
+    if saved:
+        con.print(f"loaded from {path}: " + (", ".join(f"{v} {k.replace('_', ' ')}" for k, v in loaded.items())
+                                             or "no tensors (the recipe quantizes nothing; graphs rebuilt only)"))
+        print_check_problems(con, "tensor", failures)
+    names = [c.check for c in recipe.parity if c.check != "logprob_gap"]
+    if "weights_bitexact" not in names and any(r.get("kind") == "weight_qdq" for r in learner.quant.values()):
+        names.append("weights_bitexact")  # a learner QDQ recipe is always re-verified bit for bit
+    if behavioral:
+        names.append("logprob_gap")
+    ctx = CheckContext(recipe, learner, rollout, status=con.status, probe=_probe(pipe, bsz, max_len) if behavioral else None)
+    for r in run_checks(ctx, names):
+        result.update(r.fields)
+        if r.ok is False:
+            failures += list(r.problems)
+            print_check_problems(con, r.name, r.problems)
+            if r.name == "weights_bitexact" and "learner_tensors" in loaded:
+                con.print("the rollout bytes were compared with a fresh quantization of the saved learner master "
+                          "weights: a changed byte in either file shows up here (most codes of a site differing "
+                          "usually means the learner state changed)")
+    result["failures"] = failures
+    result["ok"] = ok = not failures
+    con.print(f"qpass check {target}: {'[green]pass[/]' if ok else '[red]FAIL[/]'}")
+    return (0 if ok else 1), result
+
+
+def _probe(pipe: Any, bsz: int, max_len: int) -> BehaviorProbe:
+    from qpass.prompts import encode_chat, probe_prompts
+
+    prompts = encode_chat(pipe.tokenizer, probe_prompts(min(bsz, 8)))
+    room = max_len - max(len(p) for p in prompts) - 1
+    if room < 1:
+        raise QpassError(f"the saved probe's KV cache ({max_len} slots) has no room for a response")
+    return BehaviorProbe(prompts, dict(pad_token_id=pipe.tokenizer.pad_token_id, eos_token_id=pipe.tokenizer.eos_token_id,
+                                       max_new_tokens=min(16, room)))
+
+
+def main_check(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="qpass check", description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe")
+    ap.add_argument("target", help="an output DIR of `qpass apply`, or a recipe")
+    add_common_args(ap)
+    ap.add_argument("--behavioral", action="store_true", help="also sample and measure the log-prob gap")
+    ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 comparison with report.json "
+                    "(to rebuild the graphs and name the sites of a change)")
+    ap.add_argument("--json", type=Path, help="write the check result as JSON here")
+    a = ap.parse_args(argv)
+    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels)
+    status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
+    if a.json:
+        write_json(a.json, result)
+    return status

@@ -1,0 +1,152 @@
+"""``qpass apply`` / ``qpass check`` on the tiny Llama: report, checksums, every saved tensor compared, bad input.
+
+Fast tier: the tiny model's captured pipeline is shared (conftest), one apply per module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qpass.apps.apply import ApplyOptions, run_apply, run_check
+from qpass.apps.cli import main as cli_main
+from qpass.errors import QpassError
+from tests.test_grpo import FakeTok
+
+SITE = "model.layers.1.mlp.up_proj"
+
+
+def _strict(text: str):
+    def no_constants(name):
+        raise AssertionError(f"{name} in report.json")
+
+    return json.loads(text, parse_constant=no_constants)
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(tiny_pipeline):
+    from qpass.graph.model import LoadedModel
+
+    return dataclasses.replace(tiny_pipeline, loaded=LoadedModel(model=tiny_pipeline.loaded.model, tokenizer=FakeTok(),
+                                                                 name="tiny-llama", source="random"))
+
+
+@pytest.fixture(scope="module")
+def applied(tiny_pipe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("apply") / "quads"
+    status, report = run_apply("quads_nvfp4", out, ApplyOptions(prompts=2, samples=2, max_new_tokens=8, batch_size=4),
+                               pipeline=tiny_pipe)
+    return status, report, out
+
+
+def _copy(out, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(out, d)
+    return d
+
+
+def test_apply_report_is_strict_json_with_checksums_and_registry_checks(applied):
+    status, report, out = applied
+    assert status == 0 and report["ok"]
+    rep = _strict((out / "report.json").read_text())
+    assert [c["check"] for c in rep["parity"]["checks"]] == ["structural", "weights_bitexact", "logprob_gap"]
+    assert rep["parity"]["structural_ok"] is True and rep["parity"]["weights_bitexact"] is True
+    sums = rep["artifacts"]["sha256"]
+    assert {"report.md", "rollout/weights.safetensors", "rollout/hf_quant_config.json", "rollout/recipe.yaml",
+            "learner/model.safetensors"} <= set(sums) and "report.json" not in sums
+    assert all(len(v) == 64 for v in sums.values())
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dir, no reservation left
+
+
+def test_check_compares_every_tensor_it_wrote(applied, tiny_pipe):
+    _, _, out = applied
+    n_file = len(load_file(str(out / "rollout" / "weights.safetensors")))
+    status, res = run_check(str(out), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 0 and res["ok"] and res["checksums_ok"] is True
+    # 14 W4A4 sites x (codes, block scales, S_dec, S_enc): the old check loaded 3 of the 4 per site
+    assert n_file == 4 * 14 and res["loaded"]["rollout_tensors"] == n_file and res["compared"]["rollout_tensors"] == n_file
+
+
+def test_corrupted_global_scale_fails_by_checksum_then_by_name(applied, tiny_pipe, tmp_path, monkeypatch):
+    """Old code: weight_global_scale was never loaded or compared, so this passed."""
+    from qpass.pipeline import Pipeline
+
+    d = _copy(applied[2], tmp_path)
+    path = d / "rollout" / "weights.safetensors"
+    t = load_file(str(path))
+    t[f"{SITE}.weight_global_scale"] = t[f"{SITE}.weight_global_scale"] * 2
+    save_file(t, str(path), metadata={"format": "qpass-rollout"})
+    # the checksum stage finds it without loading or capturing anything
+    monkeypatch.setattr(Pipeline, "prepare", classmethod(lambda *a, **k: pytest.fail("model loaded before the checksums")))
+    status, res = run_check(str(d), ApplyOptions())
+    assert status == 1 and res["checksums_ok"] is False
+    assert res["failures"] == ["rollout/weights.safetensors: sha256 differs from report.json (the file changed after qpass apply wrote it)"]
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)
+    assert status == 1 and res["failures"] == [
+        f"rollout/weights.safetensors: {SITE}.weight_global_scale: 1/1 elements differ (first at ())"]
+
+
+def test_flipped_learner_byte_found_by_checksum(applied, tmp_path, monkeypatch, capsys):
+    from qpass.pipeline import Pipeline
+
+    d = _copy(applied[2], tmp_path)
+    f = d / "learner" / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0x10
+    f.write_bytes(bytes(raw))
+    monkeypatch.setattr(Pipeline, "prepare", classmethod(lambda *a, **k: pytest.fail("model loaded before the checksums")))
+    assert cli_main(["check", str(d)]) == 1
+    assert "learner/model.safetensors: sha256 differs" in capsys.readouterr().err
+
+
+def test_extra_or_missing_tensors_are_named(applied, tiny_pipe, tmp_path):
+    """Old code: an extra rollout tensor passed; a learner tensor missing from the file was silently
+    taken from the freshly loaded model."""
+    d = _copy(applied[2], tmp_path)
+    path = d / "rollout" / "weights.safetensors"
+    t = load_file(str(path))
+    save_file(t | {"model.layers.0.extra": torch.zeros(3)}, str(path), metadata={"format": "qpass-rollout"})
+    with pytest.raises(QpassError, match=r"1 tensor\(s\) the rollout graph has no constant for: model.layers.0.extra"):
+        run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)
+    save_file(t, str(path), metadata={"format": "qpass-rollout"})
+    lpath = d / "learner" / "model.safetensors"
+    lt = load_file(str(lpath))
+    del lt["model.norm.weight"]
+    save_file(lt, str(lpath), metadata={"format": "qpass-learner"})
+    with pytest.raises(QpassError, match=r"missing 1 learner parameter\(s\): model.norm.weight"):
+        run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--prompts", "0"), ("--max-new-tokens", "0"), ("--samples", "0")])
+def test_cli_overrides_go_through_the_recipe_validation(flag, value, tmp_path, capsys, monkeypatch):
+    """Old code: model_copy(update=...) skipped validation; --prompts 0 crashed after the model load."""
+    import qpass.graph.model as gm
+
+    monkeypatch.setattr(gm, "load_model", lambda *a, **k: pytest.fail("model loaded before the flags were validated"))
+    assert cli_main(["apply", "quads_nvfp4", "--out", str(tmp_path / "o"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} 0: Input should be greater than or equal to 1" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_reserved_by_another_run_or_a_dangling_link_exits_2_before_work(tmp_path, capsys, monkeypatch):
+    """Old code: both runs exited 0 (the later deleted the earlier output); a dangling link ran the
+    whole job and then failed with a traceback."""
+    import qpass.graph.model as gm
+    from qpass.atomic import atomic_dir
+
+    monkeypatch.setattr(gm, "load_model", lambda *a, **k: pytest.fail("work started"))
+    out = tmp_path / "o"
+    with atomic_dir(out):
+        assert cli_main(["apply", "quads_nvfp4", "--out", str(out)]) == 2
+    assert "being written by another run" in capsys.readouterr().err
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    assert cli_main(["apply", "quads_nvfp4", "--out", str(link)]) == 2
+    assert "dangling symbolic link" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "o"]
