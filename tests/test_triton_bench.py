@@ -1,10 +1,26 @@
-"""``qpass bench``: the CPU modes run end to end and write their JSON + markdown atomically."""
+"""``qpass bench``: the CPU modes run end to end and write their JSON + markdown atomically; the
+quick run draws fixed inputs and does not depend on what was loaded before it; without triton the
+command exits 2 with the install hint."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 from qpass.backends.triton import bench
+
+_SRC = str(Path(bench.__file__).resolve().parents[3])  # the tree under test, first on sys.path
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=600)
 
 
 def test_bench_quick_cpu(tmp_path):
@@ -12,8 +28,44 @@ def test_bench_quick_cpu(tmp_path):
     assert bench.main(["--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["rows"] and all(r["mode"] == "pass" for r in data["rows"]), data["errors"]
+    assert data["meta"]["seed"] == 0  # fixed, not drawn from the OS
     assert out.with_suffix(".md").read_text().startswith("# qpass kernel benchmark")
     assert not list(out.parent.glob(".*.tmp"))  # no temp files left behind
+
+
+def test_bench_quick_after_the_compiled_kernel_copy_was_loaded(tmp_path):
+    """The flake of ``test_bench_quick_cpu`` in a full run ("RuntimeError: 0 active drivers"): an
+    earlier test (``test_triton_aot``) loaded the compiled-mode kernel copy first; with absolute
+    imports inside ``kernels/`` both copies shared one module set built in compiled mode, so the
+    interpreter copy launched compiled kernels on a machine without a GPU. In a fresh process:
+    compiled copy first, then the quick bench, which must pass with the same numbers."""
+    out = tmp_path / "b.json"
+    r = _python(f"""
+        import sys, torch
+        from qpass.backends.triton._loader import kernel_lib
+        gpu, cpu = kernel_lib(torch.device("cuda")), kernel_lib(torch.device("cpu"))
+        assert (bool(gpu.common.INTERP.value), bool(cpu.common.INTERP.value)) == (False, True)
+        for name in ("common", "nvfp4_quant", "nvfp4_gemm", "rac", "fp8"):
+            assert getattr(gpu, name) is not getattr(cpu, name), name
+        assert "qpass.backends.triton.kernels" not in sys.modules  # never imported under its file name
+        from qpass.backends.triton import bench
+        sys.exit(bench.main(["--quick", "--out", {str(out)!r}]))
+    """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert all(r["mode"] == "pass" for r in data["rows"]), data["errors"]
+
+
+def test_bench_without_triton_exits_2_with_the_install_hint():
+    r = _python("""
+        import sys
+        sys.modules["triton"] = None  # what `import triton` sees when the package is not installed
+        from qpass.apps.cli import main
+        sys.exit(main(["bench", "--quick"]))
+    """)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert 'pip install -e ".[triton]"' in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_bench_full_code_path_smoke_cpu(tmp_path):

@@ -104,7 +104,7 @@ def run_ptx(asm: str, operands: dict[int, np.ndarray], n_out: int, n: int) -> li
 def test_lut_decode_ptx_matches_reference():
     gemm = kernel_lib("cpu").nvfp4_gemm
     table_asm, decode_asm = gemm._LUT_TABLE_ASM.value, gemm._LUT_DECODE_ASM.value
-    rng = np.random.default_rng(int.from_bytes(__import__("os").urandom(4), "little"))
+    rng = np.random.default_rng(20240611)  # fixed: the same words every run
     words = np.concatenate([np.arange(256, dtype=np.uint64) * np.uint64(0x01010101),  # every byte value
                             rng.integers(0, 2**32, size=256, dtype=np.uint64)])
     scale_bytes = np.concatenate([np.arange(0, 127, 9), rng.integers(0, 127, size=6)]).astype(np.uint8)

@@ -10,6 +10,7 @@ from qpass.backends.triton.selfcheck import Report, checks
 
 
 def test_selfcheck_tiny_passes_on_the_interpreter():
+    torch.manual_seed(0)  # fixed inputs: the same draw alone and in a full run
     rep = Report()
     checks(rep, torch.device("cpu"), big=64, tiny=True)
     names = [i["name"] for i in rep.items]
@@ -26,6 +27,7 @@ def test_selfcheck_reports_a_gemm_error(monkeypatch):
         return y * (1 + 1e-4)
 
     monkeypatch.setattr(qt, "w4a4_linear_triton", off_by_1e4)
+    torch.manual_seed(0)
     rep = Report()
     checks(rep, torch.device("cpu"), big=64, tiny=True)
     by_name = {i["name"]: i for i in rep.items}

@@ -46,6 +46,11 @@ class ParityError(QpassError, AssertionError):
     """A learner/rollout parity check failed. The message names the first differing site."""
 
 
+class MissingDependencyError(QpassError, ImportError):
+    """An optional dependency (a backend's extra) is not installed. The message names the package
+    and the install command; the ``qpass`` CLI reports it with exit status 2, like a usage error."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread by the ``qpass`` CLI so cleanup runs as for Ctrl-C
     (a ``KeyboardInterrupt``); commands that catch it report exit status 143 instead of 130."""

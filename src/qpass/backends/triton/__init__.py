@@ -16,11 +16,16 @@ Public API:
 
 from __future__ import annotations
 
+from qpass.errors import MissingDependencyError
+
+INSTALL_HINT = 'pip install -e ".[triton]"  (from a qpass checkout; or pip install "qpass[triton]")'
+
 try:
     import triton  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "qpass.backends.triton needs the 'triton' package (pip install 'qpass[triton]', triton==3.6.0)"
+except ImportError as exc:
+    raise MissingDependencyError(
+        f"qpass.backends.triton (qpass bench, --kernels triton) needs the 'triton' package (triton==3.6.0), "
+        f"which is not installed: {INSTALL_HINT}"
     ) from exc
 
 from qpass.backends.triton._config import no_sync_checks, sync_checks_enabled

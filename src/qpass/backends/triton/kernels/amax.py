@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import INTERP, rmax, ub
+from .common import INTERP, rmax, ub
 
 
 @triton.jit

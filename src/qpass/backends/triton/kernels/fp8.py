@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import FLT_MAX, INTERP, dot_acc, e4m3_byte, e4m3_round_mag, e4m3_value, rmax, to_out, ub
+from .common import FLT_MAX, INTERP, dot_acc, e4m3_byte, e4m3_round_mag, e4m3_value, rmax, to_out, ub
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def launch_fp8_gemm(a, sa, a_br, w, sw, w_br, out, *, bias=None, dot_fp8=True):
     ``sa``/``sw`` float32 scales of any granularity, addressed as ``scale[row // BR, k // 128]``
     through their strides (per tensor: 0-dim; per token: ``[R, 1]``; blocks: ``[R/BR, K/128]``).
     """
-    from qpass.backends.triton.kernels.nvfp4_gemm import _out_tl_dtype
+    from .nvfp4_gemm import _out_tl_dtype
 
     m, k = a.shape
     n = w.shape[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import INTERP, e2m1_index, frexp_exp, pack_nibbles, rmax
+from .common import INTERP, e2m1_index, frexp_exp, pack_nibbles, rmax
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import INTERP, add_rn, dot_acc, e2m1_value, e4m3_value, to_bf16, to_out, ub
+from .common import INTERP, add_rn, dot_acc, e2m1_value, e4m3_value, to_bf16, to_out, ub
 
 @triton.jit
 def _decode_w_tile(codes3, s3, sdec, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):

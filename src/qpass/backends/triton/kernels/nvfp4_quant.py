@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import (
+from .common import (
     INTERP,
     e4m3_byte,
     frexp_exp,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import (
+from .common import (
     bf16_rne_f32,
     e2m1_index,
     e2m1_value,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qpass.backends.triton.kernels.common import (
+from .common import (
     INTERP,
     e4m3_byte,
     e4m3_value,
@@ -27,7 +27,7 @@ from qpass.backends.triton.kernels.common import (
     to_bf16,
     ub,
 )
-from qpass.backends.triton.kernels.nvfp4_quant import load_global, nvfp4_quant_tile
+from .nvfp4_quant import load_global, nvfp4_quant_tile
 
 
 @triton.jit
@@ -171,7 +171,7 @@ def _residual_gathered_kernel(
 
 
 if not INTERP:
-    from qpass.backends.triton.kernels.nvfp4_quant import _bench, big_configs
+    from .nvfp4_quant import _bench, big_configs
 
     _masked_tuned = triton.autotune(
         configs=big_configs(), key=["M_BUCKET", "K", "PER_ROW", "MASK_2D", "WRITE_CODES", "WRITE_COMP"], do_bench=_bench,
@@ -180,7 +180,7 @@ if not INTERP:
 
 def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scales=None, comp=None, s_enc=None, s_dec=None):
     """Masked-mode residual quantization over ``x [M, K]``; ``mask`` int8 ``[K]`` or ``[M, K]``."""
-    from qpass.backends.triton.kernels.nvfp4_quant import pick_tile
+    from .nvfp4_quant import pick_tile
 
     m, k = x.shape
     dummy = amax_x
