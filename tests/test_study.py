@@ -118,6 +118,8 @@ def test_study_quick(pipe, tmp_path):
     assert set(data["layerwise"]["summary"]) == {"prefill", "decode"}
     assert len(data["layerwise"]["per_site"]["decode"]["asym"]) == len(pipe.base_step.sites)
     assert [c["id"] for c in data["claims"]] == ["C1", "C2a", "C2b", "C3", "C4", "C5"]
+    assert all(c["quick"] is True and c["verdict"] == "quick run: not evidence" and c["toy_outcome"]
+               for c in data["claims"])  # a toy run is no evidence for or against a claim
 
     # exact relations
     inv = data["invariants"]
@@ -143,6 +145,31 @@ def test_study_quick(pipe, tmp_path):
     md = (out / "study.md").read_text()
     for claim in ("C1", "C2a", "C2b", "C3", "C4", "C5"):
         assert f"| {claim}: " in md
+    claims_md = md.split("## 7. Paper claims")[1]
+    assert "verdicts are not evidence" in claims_md
+    assert claims_md.count("**quick run: not evidence** (toy outcome: ") == 6
+
+
+def _toy_result(quick: bool) -> dict:
+    """The slice of a study result the C1 rule reads (W16A4 gap 4x the W4A16 gap, CI above 0)."""
+    rep = {"mean_abs": 0.0, "max_abs": 0.0}
+    return {"config": {"quick": quick}, "comparisons": {"op_w16a4_vs_op_w4a16": {"diff": 0.3, "lo": 0.2, "hi": 0.4}},
+            "pairs": {"floor": {"replay": {**rep, "mean_abs": 0.05}}, "op_w4a16": {"replay": {**rep, "mean_abs": 0.1}},
+                      "op_w16a4": {"replay": {**rep, "mean_abs": 0.4}}}}
+
+
+def test_quick_run_claims_are_marked_not_evidence():
+    """``--quick`` verdicts come from a toy run: every claim says so (JSON field + verdict text);
+    a full run keeps the rule's verdict."""
+    from qpass.apps.study.report import QUICK_VERDICT, evaluate_claims
+
+    full = evaluate_claims(_toy_result(quick=False))
+    assert [(c["id"], c["verdict"], c["quick"]) for c in full] == [("C1", "reproduced", False)]
+    assert "toy_outcome" not in full[0]
+    quick = evaluate_claims(_toy_result(quick=True))
+    assert [(c["id"], c["verdict"], c["toy_outcome"], c["quick"]) for c in quick] == \
+        [("C1", QUICK_VERDICT, "reproduced", True)]
+    assert QUICK_VERDICT == "quick run: not evidence"
 
 
 def test_cli_rejects_bad_ratios(tmp_path):

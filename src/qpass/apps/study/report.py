@@ -28,6 +28,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+QUICK_VERDICT = "quick run: not evidence"
+QUICK_NOTE = ("Quick run (`--quick`: a toy configuration of a few prompts, tokens and layers for tests): the "
+              "verdicts are not evidence for or against the paper's claims; each shows only what the rule gave "
+              "on the toy numbers. Run without `--quick` for verdicts.")
+
 DOMINANCE_RATIO = 2.0
 FLOOR_TOLERANCE = 1.25
 NO_HELP_MARGIN = 0.10
@@ -53,11 +58,24 @@ def _cmp(res: dict, name: str) -> dict | None:
 
 
 def evaluate_claims(res: dict) -> list[dict[str, Any]]:
-    """One entry per SPEC §2 claim: ``{"id", "claim", "verdict", "evidence"}``.
+    """One entry per SPEC §2 claim: ``{"id", "claim", "verdict", "evidence", "quick"}``.
 
     ``verdict`` is ``reproduced``, ``not reproduced``, ``partially reproduced``, ``mixed`` or
-    ``not measured``.
+    ``not measured``. From a quick run (``res["config"]["quick"]``) every entry has ``quick: true``,
+    ``verdict`` is :data:`QUICK_VERDICT` and the rule's outcome moves to ``toy_outcome``: a toy run
+    is no evidence for or against a claim.
     """
+    out = _evaluate(res)
+    quick = bool(res["config"].get("quick"))
+    for c in out:
+        c["quick"] = quick
+        if quick:
+            c["toy_outcome"], c["verdict"] = c["verdict"], QUICK_VERDICT
+    return out
+
+
+def _evaluate(res: dict) -> list[dict[str, Any]]:
+    """The verdict rules of the module docstring (see :func:`evaluate_claims`)."""
     out = []
     floor = _gap(res, "floor")
     w4a16, w16a4 = _gap(res, "op_w4a16"), _gap(res, "op_w16a4")
@@ -250,9 +268,13 @@ def to_markdown(res: dict) -> str:
     L += ["", "## 6. Exact relations checked", ""]
     for name, v in res["invariants"].items():
         L.append(f"* `{name}`: {v}")
-    L += ["", "## 7. Paper claims (SPEC §2)", "", "| claim | verdict | evidence |", "| --- | --- | --- |"]
+    L += ["", "## 7. Paper claims (SPEC §2)", ""]
+    if cfg["quick"]:
+        L += [f"> **{QUICK_NOTE}**", ""]
+    L += ["| claim | verdict | evidence |", "| --- | --- | --- |"]
     for c in res["claims"]:
-        L.append(f"| {c['id']}: {c['claim']} | **{c['verdict']}** | {c['evidence']} |")
+        verdict = f"**{c['verdict']}**" + (f" (toy outcome: {c['toy_outcome']})" if c.get("toy_outcome") else "")
+        L.append(f"| {c['id']}: {c['claim']} | {verdict} | {c['evidence']} |")
     L += ["", "Verdict thresholds: C1 ratio >= %g and CI excludes 0; C2a significant reduction and <= %g x floor; "
           "C2b shrinking counts only if > %d%% of the gap and significant; C3 non-increasing over the measured k "
           "(partial: k = 50%% significantly below k = 0 in some mode x selection); "

@@ -31,7 +31,9 @@ Outputs (written atomically: a sibling temp dir renamed to ``DIR`` at the end): 
 Full defaults: the whole 24-prompt probe set in one static batch, 32 new tokens, all layers,
 k in {0, 12.5, 25, 50, 75, 100}%. ``--quick`` (tests): 2 prompts, 3 new tokens, k in {0, 50, 100}%,
 only decoder layer 0 quantized, static batch 2, the zero-channel RAC check in two of the four
-mode x selection combos. ``--threads 1`` is advisable on a CPU shared with other jobs.
+mode x selection combos; its claims table says ``quick run: not evidence`` in place of each verdict
+(JSON: ``quick: true``, the rule's outcome as ``toy_outcome``). ``--threads 1`` is advisable on a
+CPU shared with other jobs.
 """
 
 from __future__ import annotations
@@ -751,8 +753,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qpass study: error: {exc}", file=sys.stderr)
         return 2
     print(f"qpass study: wrote {cfg.out}/study.json, study.md and plots ({res['timings']['total_s']:.0f} s)")
+    if cfg.quick:
+        from qpass.apps.study.report import QUICK_NOTE
+
+        print(f"  {QUICK_NOTE}".replace("`", ""))
     for c in res["claims"]:
-        print(f"  {c['id']}: {c['verdict']}")
+        print(f"  {c['id']}: {c['verdict']}" + (f" (toy outcome: {c['toy_outcome']})" if c.get("toy_outcome") else ""))
     return 0
 
 
