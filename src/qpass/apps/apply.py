@@ -286,22 +286,33 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def main_apply(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qpass apply", description="Apply a recipe: learner graph + rollout graph + parity report")
+def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
+    """The ``qpass apply`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
+    from qpass.apps.cliutil import add_force, add_threads, add_verbose, pos_int
+
+    ap = argparse.ArgumentParser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report")
     ap.add_argument("recipe", help="recipe YAML path or built-in name (see `qpass recipes`)")
-    ap.add_argument("--out", required=True, type=Path, help="output directory (written atomically)")
+    ap.add_argument("--out", required=True, type=Path, help="output directory (written atomically, reserved from the start)")
     add_common_args(ap)
-    ap.add_argument("--prompts", type=int, help="probe prompts (overrides the recipe's logprob_gap check)")
+    ap.add_argument("--prompts", type=int, help="probe prompts (overrides the recipe's logprob_gap check; validated by it)")
     ap.add_argument("--samples", type=int, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--seed", type=int)
-    ap.add_argument("--batch-size", type=int, default=16, help="static rollout batch (rows per generate call)")
+    ap.add_argument("--batch-size", type=pos_int, default=16, help="static rollout batch (rows per generate call)")
     ap.add_argument("--no-floor", action="store_true", help="skip the BF16 engine-drift floor")
     ap.add_argument("--no-behavioral", action="store_true", help="skip sampling (structural and bit-level checks only)")
     ap.add_argument("--no-save-learner", action="store_true", help="do not write the learner state (~270 MB for the default model)")
     ap.add_argument("--no-debug", action="store_true", help="skip the graph verifier after every pass")
-    ap.add_argument("--force", action="store_true", help="replace an existing --out if it is empty or a previous qpass output")
-    a = ap.parse_args(argv)
+    add_force(ap, "report.json")
+    add_threads(ap)
+    add_verbose(ap)
+    return ap
+
+
+def main_apply(argv: list[str] | None = None) -> int:
+    a = build_apply_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, prompts=a.prompts, samples=a.samples,
                      max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, floor=not a.no_floor,
                      behavioral=not a.no_behavioral, save_learner=not a.no_save_learner, debug=not a.no_debug, force=a.force)

@@ -42,7 +42,7 @@ from qpass.apps.parity_checks import BehaviorProbe, CheckContext, run_checks
 from qpass.errors import QpassError, RecipeError
 from qpass.recipe import load_recipe, parse_recipe
 
-__all__ = ["main_check", "run_check"]
+__all__ = ["build_check_parser", "main_check", "run_check"]
 
 
 def _read_report(path: Path) -> dict[str, Any]:
@@ -168,15 +168,28 @@ def _probe(pipe: Any, bsz: int, max_len: int) -> BehaviorProbe:
                                        max_new_tokens=min(16, room)))
 
 
-def main_check(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qpass check", description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe")
+def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
+    """The ``qpass check`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
+    from qpass.apps.cliutil import add_threads, add_verbose
+
+    ap = argparse.ArgumentParser(prog=prog, description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe")
     ap.add_argument("target", help="an output DIR of `qpass apply`, or a recipe")
     add_common_args(ap)
     ap.add_argument("--behavioral", action="store_true", help="also sample and measure the log-prob gap")
     ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 comparison with report.json "
                     "(to rebuild the graphs and name the sites of a change)")
     ap.add_argument("--json", type=Path, help="write the check result as JSON here")
-    a = ap.parse_args(argv)
+    add_threads(ap)
+    add_verbose(ap)
+    return ap
+
+
+def main_check(argv: list[str] | None = None) -> int:
+    a = build_check_parser().parse_args(argv)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels)
     status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
     if a.json:

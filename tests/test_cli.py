@@ -1,0 +1,75 @@
+"""The ``qpass`` CLI tree: shared flags, one exit-code map, logging set up once, one source of GRPO defaults."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from qpass.apps.cli import COMMANDS, build_parser
+from qpass.apps.cli import main as cli_main
+
+
+@pytest.fixture()
+def restore_logging():
+    qlog = logging.getLogger("qpass")
+    level, handlers = qlog.level, list(qlog.handlers)
+    yield
+    qlog.setLevel(level)
+    qlog.handlers[:] = handlers
+
+
+def _options(parser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+def test_one_tree_with_shared_flags():
+    ap = build_parser()
+    sub = next(a for a in ap._actions if a.dest == "command")
+    assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "recipes", "bench", "grpo", "grpo-plot", "study"}
+    shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose"},
+              "check": {"--threads", "--dtype", "-v", "--verbose"},
+              "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose"},
+              "study": {"--threads", "--force", "-v", "--verbose"}}
+    for name, flags in shared.items():
+        assert flags <= _options(sub.choices[name]), (name, flags - _options(sub.choices[name]))
+    # defined once: the same help text wherever a shared flag appears
+    helps = {}
+    for name in shared:
+        for a in sub.choices[name]._actions:
+            if "--threads" in a.option_strings or "--verbose" in a.option_strings:
+                helps.setdefault(a.option_strings[-1], set()).add(a.help)
+    assert all(len(h) == 1 for h in helps.values()), helps
+
+
+def test_verbose_gives_debug_output(capsys, tmp_path, restore_logging):
+    """Old code: cli.main called logging.basicConfig first, so grpo's own basicConfig(-v) was a no-op."""
+    assert cli_main(["grpo", "-v", "--recipe", "no_such_recipe", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "DEBUG qpass.apps.cli: qpass grpo: argv" in err
+    assert logging.getLogger("qpass.apps.grpo.cli").isEnabledFor(logging.DEBUG)
+    logging.getLogger("qpass.apps.grpo.grpo").debug("a debug line")
+    assert "DEBUG qpass.apps.grpo.grpo: a debug line" in capsys.readouterr().err
+    # without -v (and no QPASS_LOG) debug is off again; the handler is not added twice
+    assert cli_main(["recipes", "--json"]) == 0
+    assert not logging.getLogger("qpass").isEnabledFor(logging.DEBUG)
+    assert sum(type(h).__name__ == "_StderrHandler" for h in logging.getLogger("qpass").handlers) == 1
+
+
+def test_one_exit_code_map():
+    from qpass.apps.cliutil import exit_status
+    from qpass.errors import CaptureError, ParityError, QpassError, RecipeError, Terminated
+
+    assert [exit_status(e) for e in (ParityError("x"), RecipeError("x"), CaptureError("x"), QpassError("x"),
+                                     KeyboardInterrupt(), Terminated(15))] == [1, 2, 2, 2, 130, 143]
+    with pytest.raises(TypeError):
+        exit_status(ValueError("a bug"))
+
+
+def test_grpo_cli_defaults_are_the_config_defaults(tmp_path):
+    """Old code: the CLI said --bitexact-every 10, GRPOConfig() said 0."""
+    from qpass.apps.grpo.cli import _grpo_config, build_grpo_parser
+    from qpass.apps.grpo.grpo import GRPOConfig
+
+    a = build_grpo_parser().parse_args(["--recipe", "bf16", "--out", str(tmp_path / "x")])
+    assert _grpo_config(a, a.steps, None) == GRPOConfig()
