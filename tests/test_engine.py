@@ -41,6 +41,7 @@ def test_factory_and_protocols(tiny_pipeline):
     assert isinstance(le, GraphLearnerEngine) and isinstance(le, LearnerEngine)
     assert isinstance(ro, GraphRolloutEngine) and isinstance(ro, RolloutEngine)
     assert "qpass" in rollout_engines() and ro.name == le.name == "qpass"
+    assert ro.pad_token_id == 0 and ro.eos_token_ids == [1] and ro.batch_size == 4
     with pytest.raises(QpassError, match=r"unknown rollout engine 'vllm'; registered: \['qpass'"):
         make_rollout_engine("vllm")
     with pytest.raises(QpassError, match="already registered"):

@@ -37,11 +37,15 @@ class RolloutEngine(Protocol):
         name: the factory name (``"qpass"``, ``"vllm"``, ...).
         batch_size: most rows one :meth:`generate` / :meth:`score` call takes.
         device: where the tensors it returns live (``score`` returns CPU tensors).
+        pad_token_id: the id it pads prompts and finished rows with.
+        eos_token_ids: ids that end a response.
     """
 
     name: str
     batch_size: int
     device: torch.device
+    pad_token_id: int
+    eos_token_ids: list[int]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,

@@ -51,6 +51,14 @@ class GraphRolloutEngine(TorchRollout):
     def device(self) -> torch.device:
         return self._device()
 
+    @property
+    def pad_token_id(self) -> int:
+        return self.pad
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return [int(e) for e in self.eos.tolist()]
+
     def score(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float = 1.0,
         top_p: float = 1.0,

@@ -178,7 +178,7 @@ def evaluate(
     """Accuracy of the rollout policy on held-out problems.
 
     Args:
-        rollout: :class:`qpass.runtime.TorchRollout`.
+        rollout: a :class:`qpass.runtime.RolloutEngine`.
         tokenizer: decodes responses.
         metas: ``prompt_meta`` per problem (``answer`` is the ground truth).
         prompts: token ids per problem (same order).
@@ -198,8 +198,7 @@ def evaluate(
     for i in range(0, len(prompts), b):
         chunks.append(rollout.generate(list(prompts[i:i + b]), max_new_tokens=max_new_tokens, temperature=temp,
                                        top_p=top_p, seed=seed + i))
-    eos = rollout.eos.tolist()
-    exp = assemble(chunks, pad_token_id=rollout.pad, eos_token_ids=eos, max_new_tokens=max_new_tokens)
+    exp = assemble(chunks, pad_token_id=rollout.pad_token_id, eos_token_ids=rollout.eos_token_ids, max_new_tokens=max_new_tokens)
     texts = decode_responses(tokenizer, exp)
     correct = [exact_answer_reward(m, t) >= 1.0 for m, t in zip(metas, texts)]
     return {
