@@ -31,3 +31,34 @@ def test_readme_test_command_runs_unit_slow_packaging_and_distributed_but_not_gp
     text = (ROOT / "pyproject.toml").read_text()
     for marker in ("slow", "gpu", "distributed", "packaging"):
         assert re.search(rf'^\s*"{marker}: ', text, re.M), marker
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_install_hint_names_a_declared_extra():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert {"triton", "onnx", "sglang", "megatron", "vllm", "plots", "test"} <= set(extras)
+    hinted = set()
+    for p in (ROOT / "src" / "qpass").rglob("*.py"):
+        hinted |= set(re.findall(r"qpass\[([a-z_,]+)\]", p.read_text()))
+    for h in hinted:
+        assert set(h.split(",")) <= set(extras), f"install hint qpass[{h}] names an undeclared extra"
+    assert hinted  # the backends do give hints
+
+
+def test_matplotlib_is_the_plots_extra_and_never_imported_at_module_import():
+    import subprocess
+    import sys
+
+    proj = _pyproject()["project"]
+    assert not any(d.startswith("matplotlib") for d in proj["dependencies"])
+    assert any(d.startswith("matplotlib") for d in proj["optional-dependencies"]["plots"])
+    code = ("import sys; import qpass, qpass.apps.cli, qpass.apps.apply, qpass.apps.report, qpass.apps.grpo.cli, "
+            "qpass.apps.study; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
