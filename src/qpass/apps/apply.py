@@ -12,9 +12,7 @@ every file written so ``qpass check DIR`` finds a changed byte before loading an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,11 +21,12 @@ from typing import Any
 import torch
 
 from qpass import __version__
-from qpass.apps.artifacts import file_checksums, save_learner, save_rollout, write_json
+from qpass.apps.artifacts import save_learner, save_rollout
 from qpass.apps.console import console as _console
 from qpass.apps.console import print_passes, print_summary
 from qpass.apps.options import ApplyOptions, add_common_args, gap_options
-from qpass.apps.parity_checks import PARITY_CHECKS, BehaviorProbe, CheckContext, CheckResult, run_checks
+from qpass.apps.parity_checks import PARITY_CHECKS, BehaviorProbe, CheckContext, run_checks
+from qpass.apps.report import build_report, site_counts, uncaptured_linears, write_report
 from qpass.atomic import atomic_dir
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
@@ -37,32 +36,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ApplyOptions", "gap_options", "main_apply", "main_check", "run_apply", "run_check", "site_counts",
            "uncaptured_linears"]
-
-
-def site_counts(learner: QGraph, rollout: QGraph) -> dict[str, Any]:
-    rq = rollout.quant.values()
-    return {
-        "total": len(rollout.sites),
-        "learner_qdq": sum(1 for r in learner.quant.values() if r.get("kind") == "weight_qdq"),
-        "learner_act_qdq": sum(1 for r in learner.quant.values() if r.get("act_spec")),
-        "rollout_w4a4": sum(1 for r in rq if r.get("kind") == "nvfp4_linear" and r.get("act_spec")),
-        "rollout_w4a16": sum(1 for r in rq if r.get("kind") == "nvfp4_linear" and not r.get("act_spec")),
-        "rollout_fp8": sum(1 for r in rq if r.get("kind") == "fp8_linear"),
-        "rollout_act_qdq": sum(1 for r in rq if r.get("kind") == "act_qdq"),
-        "rac": sum(1 for r in rq if "rac" in r),
-    }
-
-
-def uncaptured_linears(model: torch.nn.Module, sites: dict[str, Any], opaque: list | None = None) -> list[dict[str, str]]:
-    """nn.Linear modules of the model that are not quantization sites, each with the reason."""
-    out = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name not in sites:
-            owner = next((o for o in opaque or [] if name == o.name or name.startswith(o.name + ".")), None)
-            reason = (f"inside {owner.name}, captured as one opaque node because torch.export failed there: {owner.reason}"
-                      if owner else "not called in the captured forward (no aten.linear node carries it)")
-            out.append({"module": name, "reason": reason})
-    return out
 
 
 def _prefill_args(rollout: QGraph, batch: Any) -> tuple:
@@ -204,45 +177,6 @@ def _capture(o: ApplyOptions, lm: Any, pipeline: Any, rows: int, max_len: int, t
     return pipeline, cap.batch_size, cap.max_len
 
 
-def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: QGraph, rollout: QGraph,
-                 results: list[CheckResult], kernels_eff: str, bsz: int, max_len: int, gopt: Any, diag: dict[str, Any],
-                 plots: dict[str, str], files: dict[str, Any], timings: dict[str, float]) -> dict[str, Any]:
-    """The ``report.json`` dict of one ``qpass apply`` (parity fields come from the check results)."""
-    parity: dict[str, Any] = {"structural_ok": None, "weights_bitexact": None, "mismatched_groups": [], "mismatch_detail": [],
-                              "logprob_gap": None, "floor_logprob_gap": None}
-    for r in results:
-        parity.update(r.fields)
-    parity |= {"probe": gopt.model_dump() | {"rollout_batch": bsz, "max_len": max_len},
-               "checks": [r.row() for r in results], "problems": [p for r in results for p in r.problems]}
-    return {
-        "qpass_version": __version__,
-        "recipe": recipe.to_json() | {"text": recipe.text},
-        "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model},
-        "kernels": o.kernels,
-        "kernels_effective": kernels_eff,
-        "sites": site_counts(learner, rollout) | {
-            "uncaptured": uncaptured_linears(lm.model, rollout.sites, pipe.base_scoring.captured.opaque),
-            "opaque_modules": [dataclasses.asdict(x) for x in pipe.base_scoring.captured.opaque]},
-        "passes": [h.to_json() for h in learner.history + rollout.history],
-        "parity": parity,
-        "diagnostics": diag,
-        "plots": plots,
-        "artifacts": files,
-        "timings": timings,
-        "versions": {"torch": torch.__version__, "python": platform.python_version(), **_versions()},
-        "ok": not any(r.ok is False for r in results),
-    }
-
-
-def write_report(tmp: Path, report: dict[str, Any]) -> None:
-    """Write ``report.md``, then ``report.json`` with the sha256 of every other file in the directory."""
-    from qpass.apps.report import markdown
-
-    (tmp / "report.md").write_text(markdown(report))
-    report["artifacts"]["sha256"] = file_checksums(tmp)
-    write_json(tmp / "report.json", report)
-
-
 def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap: Any, floor: Any, tmp: Path, diag: dict[str, Any]) -> dict[str, str]:
     """Per-site activation mismatch, the residual map of one RAC (or W4A4) site, the gap histogram."""
     from qpass.diagnostics.layerwise import residual_channel_map
@@ -274,16 +208,6 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
     plot_gap_histogram(gap.d, floor.d if floor else None, tmp / "logprob_gap_hist.png", f"{recipe.name}: log-prob gap per token")
     plots["logprob_gap_hist"] = "logprob_gap_hist.png"
     return plots
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for mod in ("transformers", "triton"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            pass
-    return out
 
 
 def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
