@@ -41,6 +41,38 @@ except ImportError:  # hypothesis is a test extra; modules that need it fail on 
 
 
 _DEFAULT_MODEL_FIXTURES = {"default_loaded", "default_pipeline", "quads_apply_dir"}
+_CPU_SECONDS: dict[str, float] = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="qpass: list the N tests that used the most CPU seconds (this process + reaped children, "
+                          "setup/call/teardown together) and the total; unlike --durations it does not grow when "
+                          "other jobs share the CPU, so it estimates the time on an idle machine")
+
+
+def _cpu_now() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001
+    t0 = _cpu_now()
+    yield
+    _CPU_SECONDS[item.nodeid] = _cpu_now() - t0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    n = config.getoption("--cpu-durations")
+    if n is None or not _CPU_SECONDS:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", f"CPU seconds per test (top {n})")
+    for nodeid, sec in sorted(_CPU_SECONDS.items(), key=lambda kv: -kv[1])[:n]:
+        tr.write_line(f"{sec:9.2f}s  {nodeid}")
+    tr.write_line(f"{sum(_CPU_SECONDS.values()):9.2f}s  total CPU over {len(_CPU_SECONDS)} tests "
+                  f"(process CPU at exit incl. collection: {_cpu_now():.1f}s)")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
