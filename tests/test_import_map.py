@@ -34,9 +34,6 @@ ALLOWED = {
     ("qpass.quant.qdq", "qpass.lowering"),
     ("qpass.runtime.sync", "qpass.passes.nvfp4_lower"),
     ("qpass.backends.sglang.weights", "qpass.apps.artifacts"),
-    # the pass manager imports the built-in passes to look a name up (pm.load_builtin_passes);
-    # the passes import the pass manager. To go: the recipe layer loads the built-ins.
-    ("qpass.pm", "qpass.passes"),
 }
 
 

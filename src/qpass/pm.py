@@ -139,7 +139,12 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 
 def get_pass(name: str) -> type[Pass]:
-    load_builtin_passes()
+    """The pass class registered as ``name``. The built-in passes register when ``qpass.passes`` is
+    imported (``qpass.recipe`` does; the pass manager never imports its passes).
+
+    Raises:
+        RecipeError: unknown name (suggests the nearest one and lists the registered passes).
+    """
     if name not in PASSES:
         import difflib
 
@@ -147,11 +152,6 @@ def get_pass(name: str) -> type[Pass]:
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise RecipeError(f"unknown pass {name!r}{hint}; known passes: {sorted(PASSES)}")
     return PASSES[name]
-
-
-def load_builtin_passes() -> None:
-    """Import ``qpass.passes`` so its passes register."""
-    from qpass import passes  # noqa: F401
 
 
 def _where(p: Pass) -> str:

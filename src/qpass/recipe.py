@@ -32,7 +32,8 @@ import pydantic
 import yaml
 
 from qpass.errors import RecipeError
-from qpass.pm import Pass, get_pass, load_builtin_passes
+import qpass.passes  # noqa: F401 - registers the built-in passes (the pass manager never imports them)
+from qpass.pm import Pass, get_pass
 
 TOP_KEYS = ("name", "description", "learner", "rollout", "parity")
 
@@ -175,7 +176,6 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
             invalid option, pass on the wrong side, passes in an order that breaks a ``requires``;
             messages start with ``path:line:`` (ordering errors name the recipe lines).
     """
-    load_builtin_passes()
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
