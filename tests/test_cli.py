@@ -73,3 +73,26 @@ def test_grpo_cli_defaults_are_the_config_defaults(tmp_path):
 
     a = build_grpo_parser().parse_args(["--recipe", "bf16", "--out", str(tmp_path / "x")])
     assert _grpo_config(a, a.steps, None) == GRPOConfig()
+
+
+def test_every_recipe_check_has_one_registered_parity_check(monkeypatch):
+    """apply and check iterate one registry; a recipe check without an entry is an error, not a skip."""
+    from qpass.apps import parity_checks as pc
+    from qpass.errors import QpassError
+    from qpass.recipe import CHECKS
+
+    assert set(pc.PARITY_CHECKS) == set(CHECKS)
+    assert [c.name for c in pc.PARITY_CHECKS.values() if c.behavioral] == ["logprob_gap"]
+    with pytest.raises(ValueError, match="registered twice"):
+        pc.register_check("structural")(lambda ctx: None)
+    monkeypatch.delitem(pc.PARITY_CHECKS, "weights_bitexact")
+    with pytest.raises(QpassError, match=r"no parity check registered for \['weights_bitexact'\]"):
+        list(pc.run_checks(pc.CheckContext(None, None, None), ["structural", "weights_bitexact"]))
+
+
+def test_recipes_json_is_strict(capsys):
+    import json
+
+    assert cli_main(["recipes", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert {"bf16", "quads_nvfp4"} <= {r["name"] for r in rows}

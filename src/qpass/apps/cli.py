@@ -44,9 +44,9 @@ def _recipes(argv: list[str]) -> int:
         rows.append((name, ", ".join(p.name for p in r.learner) or "-", ", ".join(p.name for p in r.rollout) or "-",
                      ", ".join(c.check for c in r.parity), r.description, str(path)))
     if a.json:
-        import json
+        from qpass.jsonio import dumps
 
-        print(json.dumps([dict(zip(("name", "learner", "rollout", "parity", "description", "path"), r)) for r in rows], indent=2))
+        print(dumps([dict(zip(("name", "learner", "rollout", "parity", "description", "path"), r)) for r in rows]))
         return 0
     t = Table(title="qpass built-in recipes")
     for col in ("name", "learner passes", "rollout passes", "parity checks", "description"):
