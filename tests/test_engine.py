@@ -130,3 +130,26 @@ def test_study_prefill_capture_uses_the_shared_prefill(tiny_pipeline):
     assert got.keys() == rec.acts.keys() and len(got) >= 14
     for sid in got:
         assert all(torch.equal(a, b) for a, b in zip(got[sid], rec.acts[sid])), sid
+
+
+def test_bit_level_parity_read_from_the_engine(tiny_pipeline):
+    from qpass.parity.served import check_served_weights
+
+    le, ro = _engines(tiny_pipeline)
+    with torch.no_grad():
+        for p in le.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    w = le.export_weights()
+    stale = check_served_weights(w, ro.served_weights())  # the rollout still serves the old weights
+    assert not stale.ok and stale.checked == 14
+    ro.update_weights(w)
+    served = ro.served_weights()
+    assert {s.group for s in served.values()} >= {"model.layers.0.self_attn.qkv", "model.layers.1.mlp.gate_up"}
+    ok = check_served_weights(w, served)
+    assert ok.ok and ok.checked == 14 and ok.skipped == 0 and ok.mismatches == ()
+    site = "model.layers.1.mlp.down_proj"
+    served[site].scales.view(torch.uint8)[3, 1] ^= 0x01  # one flipped scale byte in the engine's storage
+    bad = check_served_weights(w, ro.served_weights())
+    assert not bad.ok and bad.mismatches == (f"{site}: scale bytes 1/{served[site].scales.numel()} differ (first at (3, 1))",)
+    del w[f"{site}.weight"]
+    assert check_served_weights(w, ro.served_weights()).mismatches[0] == f"{site}: no master weight {site}.weight"

@@ -92,11 +92,11 @@ class GraphRolloutEngine(TorchRollout):
         for sid, rec in self.qg.quant.items():
             kind, c = rec.get("kind"), rec.get("constants", {})
             if kind == "nvfp4_linear":
-                out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]))
+                out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]), rec.get("group", sid))
             elif kind == "mxfp4_linear":
-                out[sid] = ServedSite(sid, "mxfp4", buf(c["codes"]), buf(c["scales"]))
+                out[sid] = ServedSite(sid, "mxfp4", buf(c["codes"]), buf(c["scales"]), group=sid)
             elif kind == "fp8_linear":
-                out[sid] = ServedSite(sid, "fp8", buf(c["data"]), buf(c["scale"]))
+                out[sid] = ServedSite(sid, "fp8", buf(c["data"]), buf(c["scale"]), group=sid)
         return out
 
 

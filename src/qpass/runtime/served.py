@@ -19,6 +19,7 @@ class ServedSite:
         scales: block scales: NVFP4 ``float8_e4m3fn`` ``[N, K/16]``; MXFP4 E8M0 uint8 ``[N, K/32]``;
             FP8 float32 (shape by granularity).
         global_scale: NVFP4 float32 scalar ``S_dec`` (decode global scale); ``None`` otherwise.
+        group: the fused group sharing one global scale (q/k/v, gate/up); the site itself if none.
     """
 
     site: str
@@ -26,3 +27,4 @@ class ServedSite:
     codes: torch.Tensor
     scales: torch.Tensor
     global_scale: torch.Tensor | None = None
+    group: str = ""

@@ -1,0 +1,88 @@
+"""Bit-level parity read from the engine: the bytes a rollout engine serves versus qpass's quantizer
+of the learner's master weights (SPEC §3 rules 1-3), through the engine protocols only.
+
+Works for any :class:`qpass.runtime.engine.RolloutEngine` (its ``served_weights()`` read back from
+the engine's own storage) and any weights in Hugging Face names (``LearnerEngine.export_weights()``).
+NVFP4 sites are checked (one shared amax per fused group, fresh from the weights); other formats are
+counted as not checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from qpass.quant.groups import group_amax
+from qpass.quant.nvfp4 import nvfp4_quantize
+from qpass.runtime.served import ServedSite
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedCheck:
+    """Outcome of :func:`check_served_weights`.
+
+    Attributes:
+        ok: every checked site equals the quantizer's bytes.
+        checked: NVFP4 sites compared.
+        skipped: sites of other formats (not compared).
+        mismatches: ``"site: what differs"`` in site order; the first names the first differing site.
+    """
+
+    ok: bool
+    checked: int
+    skipped: int
+    mismatches: tuple[str, ...]
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    ne = (a != b).nonzero()
+    return f"{len(ne)}/{a.numel()} differ (first at {tuple(ne[0].tolist())})"
+
+
+@torch.no_grad()
+def check_served_weights(weights: Mapping[str, torch.Tensor], served: Mapping[str, ServedSite]) -> ServedCheck:
+    """Compare each served NVFP4 site with ``nvfp4_quantize`` of ``weights[site + ".weight"]``.
+
+    Args:
+        weights: master weights by HF name (``model.layers.0.mlp.up_proj.weight``).
+        served: ``RolloutEngine.served_weights()``.
+    Returns:
+        :class:`ServedCheck` (codes, scale bytes and global-scale bits compared; a missing weight is
+        a mismatch naming it).
+    """
+    groups: dict[str, list[str]] = {}
+    skipped = 0
+    for sid in sorted(served):
+        s = served[sid]
+        if s.format == "nvfp4":
+            groups.setdefault(s.group or sid, []).append(sid)
+        else:
+            skipped += 1
+    bad: list[str] = []
+    checked = 0
+    for gid in sorted(groups):
+        sids = groups[gid]
+        missing = [f"{s}.weight" for s in sids if f"{s}.weight" not in weights]
+        if missing:
+            bad += [f"{m[: -len('.weight')]}: no master weight {m}" for m in missing]
+            continue
+        amax = group_amax([weights[f"{s}.weight"].detach() for s in sids])
+        for sid in sids:
+            q = nvfp4_quantize(weights[f"{sid}.weight"].detach(), amax, site=sid)
+            s = served[sid]
+            checked += 1
+            dev = s.codes.device
+            for what, mine, theirs in (
+                ("codes", q.codes.to(dev), s.codes),
+                ("scale bytes", q.scales.to(dev).view(torch.uint8), s.scales.view(torch.uint8)),
+                ("global scale bits", q.s_dec.to(dev).float().reshape(-1).view(torch.int32),
+                 s.global_scale.float().reshape(-1).view(torch.int32) if s.global_scale is not None else torch.empty(0, dtype=torch.int32)),
+            ):
+                if mine.shape != theirs.shape or not torch.equal(mine, theirs):
+                    bad.append(f"{sid}: {what} {_first_diff(mine, theirs)}")
+    bad.sort(key=lambda m: m.split(":")[0])
+    return ServedCheck(not bad, checked, skipped, tuple(bad))
