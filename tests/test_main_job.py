@@ -114,16 +114,28 @@ def test_cli_bad_inputs_exit_2_and_leave_nothing(tmp_path, capsys):
     assert cli_main(["aply"]) == 2 and "did you mean 'apply'" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_interrupted_apply_leaves_no_output_dir(default_pipeline, tmp_path, monkeypatch):
+def test_interrupted_apply_leaves_no_output_dir(tiny_pipeline, tmp_path, monkeypatch):
+    """Unit tier: the tiny Llama with a char-level chat tokenizer (was the default model; the atomic
+    output directory does not depend on the model)."""
+    import dataclasses
+
     import qpass.parity.behavior as behavior
+    from qpass.graph.model import LoadedModel
+
+    from .test_grpo import FakeTok
+
+    pipe = dataclasses.replace(tiny_pipeline, loaded=LoadedModel(model=tiny_pipeline.loaded.model, tokenizer=FakeTok(),
+                                                                 name="tiny-llama", source="random"))
+    calls = []
 
     def interrupt(*a, **k):
+        calls.append(1)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(behavior, "logprob_gap", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        run_apply("naive_nvfp4", tmp_path / "o", ApplyOptions(prompts=1, samples=1, max_new_tokens=4), pipeline=default_pipeline)
+        run_apply("naive_nvfp4", tmp_path / "o", ApplyOptions(prompts=1, samples=1, max_new_tokens=4), pipeline=pipe)
+    assert calls == [1]  # interrupted inside the job (after the graphs were built), not before it
     assert list(tmp_path.iterdir()) == []
 
 
