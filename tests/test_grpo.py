@@ -290,7 +290,7 @@ def test_tiny_quads_two_steps_bookkeeping(tiny_pipeline, tmp_path):
     assert res.initial["parity/structural_ok"] and res.initial["parity/bitexact_ok"]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    n_groups = len({rec["group"] for rec in tr.rollout_qg.quant.values()})
+    n_groups = len({rec.group for rec in tr.rollout_qg.quant.values()})
     for r in rows:
         # 2 prompts x G=2 rows; every row sampled exactly 6 tokens unless it hit EOS
         assert r["reward/n_failures_step"] == 0 and r["adv/zero_groups"] == 0
@@ -375,8 +375,8 @@ def test_tiny_sync_corruption_is_caught(tiny_pipeline, tmp_path, monkeypatch):
 
     def corrupting_sync(learner, rollout):  # noqa: ANN001
         rep = real(learner, rollout)
-        sid, rec = next((s, r) for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear")
-        buf = rollout.gm.get_buffer(rec["constants"]["codes"])
+        sid, rec = next((s, r) for s, r in rollout.quant.items() if r.kind == "nvfp4_linear")
+        buf = rollout.gm.get_buffer(rec.constants["codes"])
         buf[0, 0] ^= 0x11  # flip one element code in each nibble: the rollout no longer holds the learner's bytes
         site["group"] = rec["group"]
         return rep
@@ -408,11 +408,11 @@ def test_tiny_shadow_weights_modes(tiny_pipeline):
     tr = tiny_trainer(tiny_pipeline, "w4a16_qat", tiny_cfg(steps=1, eval_every=0, diag_every=0, initial_check=False))
     sh = BF16Shadow(tiny_pipeline.base_step)
     lp = dict(tr.learner_qg.gm.named_parameters())
-    sid, rec = next((s, r) for s, r in tr.learner_qg.quant.items() if r.get("kind") == "weight_qdq")
+    sid, rec = next((s, r) for s, r in tr.learner_qg.quant.items() if r.weight_fake_quant)
     sh.sync(tr.learner_qg, weights="master")
     assert torch.equal(sh.qg.attr(rec["weight"]), lp[rec["weight"]])
     sh.sync(tr.learner_qg, weights="learner")
-    amax = torch.ops.qpass.group_amax([lp[tr.learner_qg.quant[m]["weight"]] for m in rec["members"]])
+    amax = torch.ops.qpass.group_amax([lp[tr.learner_qg.quant[m].weight] for m in rec.members])
     w_hat = torch.ops.qpass.nvfp4_qdq(lp[rec["weight"]].detach(), amax, sid)
     assert torch.equal(sh.qg.attr(rec["weight"]), w_hat) and not torch.equal(w_hat, lp[rec["weight"]])
     with pytest.raises(ValueError, match="weights must be"):

@@ -89,7 +89,7 @@ def test_check_passes_then_fails_naming_a_planted_scale_bit(quads_apply_dir, def
 @pytest.mark.slow
 def test_learner_step_changes_codes_and_resync_passes(default_pipeline):
     learner, rollout = default_pipeline.build(load_recipe("quads_nvfp4"))
-    rec = rollout.quant[SITE]["constants"]
+    rec = rollout.quant[SITE].constants
     before = rollout.gm.get_buffer(rec["codes"]).clone()
     le = TorchLearner(learner)
     ids = torch.randint(10, 40000, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -94,7 +94,7 @@ def _sglang_row_parallel_activation(rank: int) -> bool:
     import torch.distributed as dist
 
     from qpass.backends.sglang.plugin import activation_for_row_parallel
-    from qpass.lowering import reference_qdq
+    from qpass.tables import reference_qdq
 
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
     x[2, 100] = 40.0  # amax in rank 1's half only

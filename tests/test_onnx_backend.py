@@ -27,7 +27,8 @@ from qpass.backends.onnx import (  # noqa: E402
 )
 from qpass.backends.onnx.export import SiteLinear, emit_site_linear, sites_from_qgraph  # noqa: E402
 from qpass.formats.spec import ALL_SPECS, FP8Spec, Granularity, spec_by_key  # noqa: E402
-from qpass.lowering import TABLES, reference_qdq  # noqa: E402
+from qpass.formats.spec import spec_by_key  # noqa: E402
+from qpass.tables import entry, reference_qdq, reference_quantize  # noqa: E402
 from qpass.quant.fp8 import FP8Tensor  # noqa: E402
 from qpass.quant.mxfp4 import MXFP4Tensor  # noqa: E402
 from qpass.quant.nvfp4 import NVFP4Tensor, global_scales, nvfp4_quantize  # noqa: E402
@@ -69,10 +70,11 @@ def _run(model, feeds, flavour, runtime):
 # ----------------------------------------------------------------------------------------- table
 def test_every_spec_has_an_onnx_lowering_with_its_role_and_opsets():
     for s in ALL_SPECS:
-        entry = TABLES["onnx_lower"][s.key]
-        assert entry is ONNX_LOWERINGS[s.key] and entry.role == s.role
-        assert entry.opset["portable"] == 21
-        assert entry.opset["spec"] == (24 if s.name == "mxfp4" else 23)
+        lo = entry("onnx", s)(s)  # the spec-table rule builds the same emitter as ONNX_LOWERINGS
+        assert lo.key == s.key == ONNX_LOWERINGS[s.key].key and lo.role == s.role == ONNX_LOWERINGS[s.key].role
+        assert lo.opset == ONNX_LOWERINGS[s.key].opset
+        assert lo.opset["portable"] == 21
+        assert lo.opset["spec"] == (24 if s.name == "mxfp4" else 23)
 
 
 # ----------------------------------------------------------------------------------------- weights
@@ -119,7 +121,7 @@ def test_weight_decode_of_random_bytes_is_bit_exact(key, flavour, runtime, dtype
 def test_weight_decode_of_a_real_quantization_is_bit_exact(key, flavour, runtime):
     w = (torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
     w[5, 17] = 0.9
-    q = TABLES["reference"][key](w)
+    q = reference_quantize(spec_by_key(key), w)
     out = _run(weight_decode_model(key, q, flavour=flavour), {}, flavour, runtime)["w_hat"].bfloat16()
     _assert_bits_equal(out, q.dequantize(torch.bfloat16))
 
@@ -218,7 +220,7 @@ def test_activation_fake_quant_keeps_leading_dims_and_rounds_to_out_dtype(flavou
     x = _random_activation(64, 3).reshape(5, 1, 64).float()
     model = activation_qdq_model(key, (5, 1, 64), flavour=flavour, dtype=torch.float32, out_dtype=torch.bfloat16)
     out = _run(model, {"x": x}, flavour, runtime)["x_hat"]
-    ref = TABLES["reference"][key](x).dequantize(torch.bfloat16)
+    ref = reference_quantize(spec_by_key(key), x).dequantize(torch.bfloat16)
     _assert_bits_equal(out.to(torch.bfloat16), ref)
     assert out.shape == (5, 1, 64)
 

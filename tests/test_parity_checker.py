@@ -39,7 +39,7 @@ def test_structural_names_group_and_missing_qdq_problems(tiny_pipeline):
 
 def test_planted_scale_bit_flip_is_found_and_named(tiny_pipeline):
     learner, rollout = tiny_pipeline.build(load_recipe("quads_nvfp4"))
-    buf = rollout.gm.get_buffer(rollout.quant[SITE]["constants"]["scales"]).view(torch.uint8)
+    buf = rollout.gm.get_buffer(rollout.quant[SITE].constants["scales"]).view(torch.uint8)
     buf[3, 1] ^= 0x01
     b = check_weights_bitexact(learner, rollout)
     assert not b.ok and b.mismatched_groups == [SITE]
@@ -51,7 +51,7 @@ def test_planted_scale_bit_flip_is_found_and_named(tiny_pipeline):
 def test_foreign_arithmetic_is_named(tiny_pipeline):
     """Rollout bytes produced by torchao's arithmetic on a tie-rich weight: the checker says so."""
     learner, rollout = tiny_pipeline.build(load_recipe("w4a16_qat"))
-    w = learner.attr(learner.quant[SITE]["weight"])
+    w = learner.attr(learner.quant[SITE].weight)
     g = torch.Generator().manual_seed(0)
     tie_rich = (torch.randint(-52, 53, w.shape, generator=g).float() * 2.0**-6).to(torch.bfloat16)
     tie_rich[0, 0] = 0.8125  # amax with a short mantissa: many E4M3/E2M1 midpoints
@@ -60,7 +60,7 @@ def test_foreign_arithmetic_is_named(tiny_pipeline):
     sync_weights(learner, rollout)
     assert check_weights_bitexact(learner, rollout).ok
     foreign = emulate("torchao", tie_rich, group_amax([tie_rich]))
-    c = rollout.quant[SITE]["constants"]
+    c = rollout.quant[SITE].constants
     for key, val in (("codes", foreign.codes), ("scales", foreign.scales), ("s_dec", foreign.s_dec)):
         rollout.gm.get_buffer(c[key]).copy_(val.reshape(rollout.gm.get_buffer(c[key]).shape))
     b = check_weights_bitexact(learner, rollout)
@@ -71,7 +71,7 @@ def test_foreign_arithmetic_is_named(tiny_pipeline):
 
 def test_optimizer_step_changes_codes_and_resync_restores_parity(tiny_pipeline):
     learner, rollout = tiny_pipeline.build(load_recipe("quads_nvfp4"))
-    codes = rollout.gm.get_buffer(rollout.quant[SITE]["constants"]["codes"])
+    codes = rollout.gm.get_buffer(rollout.quant[SITE].constants["codes"])
     before = codes.clone()
     le = TorchLearner(learner)
     ids = torch.randint(3, 256, (4, 10), generator=torch.Generator().manual_seed(2))

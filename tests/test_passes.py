@@ -119,7 +119,7 @@ def test_nvfp4_lowered_nodes_compute_reference_semantics(tiny_pipeline, recipe):
     for node, args, out in rec.seen:
         sid = args[5]
         assert torch.equal(out, _nvfp4_linear_ref(*args))  # the node computes the reference op on its real input
-        members = rollout.quant[sid]["members"]
+        members = rollout.quant[sid].members
         amax = group_amax([base.attr(base.sites[m].weight) for m in members])
         q = nvfp4_quantize(base.attr(base.sites[sid].weight), amax)
         assert torch.equal(args[1], q.codes) and torch.equal(args[2].view(torch.uint8), q.scales.view(torch.uint8))

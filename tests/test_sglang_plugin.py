@@ -185,7 +185,7 @@ def test_tp_shards_decode_and_quantize_as_slices_of_the_full_weight(parallel):
 
 def test_row_parallel_activation_helper_equals_the_reference_fake_quant():
     from qpass.backends.sglang.plugin import activation_for_row_parallel
-    from qpass.lowering import reference_qdq
+    from qpass.tables import reference_qdq
 
     x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
     for act, key in (("nvfp4", "nvfp4.activation.per_tensor"), ("nvfp4_per_token", "nvfp4.activation.per_token")):

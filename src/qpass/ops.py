@@ -1,4 +1,4 @@
-"""Rollout-side custom ops and the kernel table they dispatch through.
+"""Rollout-side custom ops, their reference kernels and their ``rollout_lower`` table entries.
 
 Ops (namespace ``qpass``; each has a fake kernel so it survives ``torch.export``):
 
@@ -8,61 +8,83 @@ Ops (namespace ``qpass``; each has a fake kernel so it survives ``torch.export``
   with one global scale per token. ``rac_ratio > 0`` adds residual activation compensation.
 * ``qpass::fp8_linear(x, w_data, w_scale, bias?, site, act_granularity, w_granularity) -> Tensor``:
   W8A8 FP8 E4M3 with block (or per-tensor/per-token) scales.
+* ``qpass::mxfp4_linear(x, w_codes, w_scales, bias?, site) -> Tensor``: MXFP4 weight-only.
 
-Semantics: :mod:`qpass.quant.linear`. Implementations live in a kernel table keyed by
-``(op, backend)``; ``reference`` (plain torch, CPU/CUDA) is always present and the Triton backend
-registers itself on import. Choose with :func:`use_kernels` / :func:`set_kernel_backend`.
+Semantics: :mod:`qpass.quant.linear`. Implementations live in the ``kernels`` spec table
+(:mod:`qpass.tables`) keyed by ``(op, weight spec type, backend)``; ``reference`` (plain torch,
+CPU/CUDA) is registered here, other backends register when their module is imported (core never
+imports a backend). Choose with :func:`use_kernels` / :func:`set_kernel_backend`; a backend without a
+kernel for an op is an error (:class:`qpass.tables.KernelMissingError`), never a silent fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from qpass.errors import QpassError
-from qpass.formats.spec import FP8Spec, Granularity
+from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec
 from qpass.quant.fp8 import FP8Tensor
 from qpass.quant.linear import fp8_linear_reference, w4a4_linear_reference, w4a16_linear_reference
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec, nvfp4_dequantize
 from qpass.quant.rac import RACConfig
+from qpass.tables import TABLES, KernelMissingError, kernel, register
 
 ACT_MODES = ("none", "nvfp4", "nvfp4_per_token")
+# The rollout NVFP4/MXFP4 ops multiply weights decoded to this dtype (SPEC §3 dequant: bf16_rne),
+# whatever the model dtype; the parity checker compares the learner's operand against it.
+WEIGHT_OPERAND_DTYPE = torch.bfloat16
 
-_KERNELS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
 _BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("qpass_kernel_backend", default="reference")
 
 
-def register_kernel(op: str, backend: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
-    """Decorator: register ``fn`` as the ``backend`` implementation of ``op``."""
-
-    def deco(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        _KERNELS[(op, backend)] = fn
-        return fn
-
-    return deco
+def register_kernel(op: str, backend: str, spec_type: type = NVFP4Spec) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Decorator: register ``fn`` as the ``backend`` kernel of ``op`` (``qpass::name`` or ``name``)
+    for weight specs of ``spec_type`` (shorthand for ``tables.register("kernels", ...)``)."""
+    full = op if "::" in op else f"qpass::{op}"
+    return register("kernels", spec_type, op=full, backend=backend, claim=True)
 
 
 def kernel_backends(op: str) -> list[str]:
-    """Backends that implement ``op``."""
-    return sorted(b for (o, b) in _KERNELS if o == op)
+    """Backends that implement ``op`` (``qpass::name`` or ``name``)."""
+    from qpass.tables import kernel_backends as kb
+
+    return kb(op if "::" in op else f"qpass::{op}")
+
+
+def registered_backends() -> list[str]:
+    """Kernel backends with at least one registered kernel."""
+    return sorted({b for (_, _, b) in TABLES["kernels"]})
+
+
+def _require_registered(name: str) -> None:
+    if name not in registered_backends():
+        raise QpassError(
+            f"kernel backend {name!r} has no registered kernels (registered: {registered_backends()}); "
+            f"its module registers them when imported (e.g. import qpass.backends.{name})"
+        )
 
 
 def set_kernel_backend(name: str) -> None:
-    """Select the kernel backend for subsequent calls in this context (``reference`` or ``triton``)."""
-    if name == "triton":
-        from qpass.backends import triton as _triton_backend  # noqa: F401  (registers its kernels)
+    """Select the kernel backend for subsequent calls in this context.
+
+    Raises:
+        QpassError: ``name`` has no registered kernels (import its backend module first).
+    """
+    _require_registered(name)
     _BACKEND.set(name)
 
 
 @contextlib.contextmanager
 def use_kernels(name: str) -> Iterator[None]:
     """Context manager form of :func:`set_kernel_backend`."""
-    if name == "triton":
-        from qpass.backends import triton as _triton_backend  # noqa: F401
+    _require_registered(name)
     token = _BACKEND.set(name)
     try:
         yield
@@ -84,22 +106,13 @@ def effective_backend(name: str, device: str | torch.device) -> str:
     return name
 
 
-_FALLBACK_WARNED: set[str] = set()
+def _dispatch(op: str, spec: QuantSpec, device: torch.device) -> Callable[..., torch.Tensor]:
+    """The kernel of ``op`` for ``spec`` on the current backend (Triton needs a GPU or the interpreter).
 
-
-def _dispatch(op: str, device: torch.device) -> Callable[..., torch.Tensor]:
-    backend = effective_backend(_BACKEND.get(), device)  # Triton kernels need a GPU or the interpreter
-    fn = _KERNELS.get((op, backend))
-    if fn is None and backend != "reference" and (op, "reference") in _KERNELS:
-        if op not in _FALLBACK_WARNED:
-            _FALLBACK_WARNED.add(op)
-            import logging
-
-            logging.getLogger(__name__).warning("no %r kernel for %s: running the reference implementation", backend, op)
-        fn = _KERNELS[(op, "reference")]
-    if fn is None:
-        raise QpassError(f"no {backend!r} kernel registered for {op}; available: {kernel_backends(op)}")
-    return fn
+    Raises:
+        KernelMissingError: the backend has no kernel for this op/spec (no silent fallback).
+    """
+    return kernel(op, spec, effective_backend(_BACKEND.get(), device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +144,7 @@ def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tens
     return val
 
 
-@register_kernel("nvfp4_linear", "reference")
+@register_kernel("qpass::nvfp4_linear", "reference", NVFP4Spec)
 def _nvfp4_linear_ref(
     x: torch.Tensor,
     w_codes: torch.Tensor,
@@ -147,7 +160,7 @@ def _nvfp4_linear_ref(
 ) -> torch.Tensor:
     w = NVFP4Tensor.from_parts(w_codes, w_scales, w_s_dec)
     # cached as float32 (exact: the decoded values are bf16) so each call skips the conversion
-    w_hat = cached_weight((w_codes, w_scales, w_s_dec), lambda: nvfp4_dequantize(w, torch.bfloat16).float())
+    w_hat = cached_weight((w_codes, w_scales, w_s_dec), lambda: nvfp4_dequantize(w, WEIGHT_OPERAND_DTYPE).float())
     if act == "none":
         return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
     rac = RACConfig(rac_ratio, rac_mode, rac_selection) if rac_ratio > 0 else None
@@ -174,7 +187,7 @@ def nvfp4_linear(
     """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring)."""
     if act not in ACT_MODES:
         raise QpassError(f"nvfp4_linear at site {site}: act must be one of {ACT_MODES}, got {act!r}")
-    fn = _dispatch("nvfp4_linear", x.device)
+    fn = _dispatch("qpass::nvfp4_linear", NVFP4_WEIGHT, x.device)
     return fn(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels)
 
 
@@ -183,7 +196,7 @@ def _nvfp4_linear_fake(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio
     return x.new_empty((*x.shape[:-1], w_codes.shape[0]))
 
 
-@register_kernel("mxfp4_linear", "reference")
+@register_kernel("qpass::mxfp4_linear", "reference", MXFP4Spec)
 def _mxfp4_linear_ref(x, w_codes, w_scales, bias, site):  # noqa: ANN001
     from qpass.quant.mxfp4 import MXFP4Tensor, mxfp4_dequantize
 
@@ -202,7 +215,7 @@ def _mxfp4_linear_ref(x, w_codes, w_scales, bias, site):  # noqa: ANN001
 @torch.library.custom_op("qpass::mxfp4_linear", mutates_args=())
 def mxfp4_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None, site: str) -> torch.Tensor:
     """MXFP4 weight-only rollout linear ``x [..., K] -> [..., N]`` (E2M1 codes, E8M0 scale per 32)."""
-    return _dispatch("mxfp4_linear", x.device)(x, w_codes, w_scales, bias, site)
+    return _dispatch("qpass::mxfp4_linear", MXFP4_WEIGHT, x.device)(x, w_codes, w_scales, bias, site)
 
 
 @mxfp4_linear.register_fake
@@ -214,7 +227,7 @@ def _fp8_spec(granularity: str, role: str) -> FP8Spec:
     return FP8Spec(role=role, granularity=Granularity(granularity))
 
 
-@register_kernel("fp8_linear", "reference")
+@register_kernel("qpass::fp8_linear", "reference", FP8Spec)
 def _fp8_linear_ref(x, w_data, w_scale, bias, site, act_granularity, w_granularity):  # noqa: ANN001
     w = FP8Tensor(data=w_data, scale=w_scale, shape=w_data.shape, orig_dtype=torch.bfloat16, spec=_fp8_spec(w_granularity, "weight"))
     from qpass.quant.fp8 import fp8_dequantize
@@ -234,10 +247,85 @@ def fp8_linear(
     w_granularity: str,
 ) -> torch.Tensor:
     """FP8 E4M3 W8A8 rollout linear ``x [..., K] -> [..., N]``."""
-    fn = _dispatch("fp8_linear", x.device)
+    fn = _dispatch("qpass::fp8_linear", _fp8_spec(w_granularity, "weight"), x.device)
     return fn(x, w_data, w_scale, bias, site, act_granularity, w_granularity)
 
 
 @fp8_linear.register_fake
 def _fp8_linear_fake(x, w_data, w_scale, bias, site, act_granularity, w_granularity):  # noqa: ANN001
     return x.new_empty((*x.shape[:-1], w_data.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# ``rollout_lower`` entries: how a linear whose weight has spec S becomes one of the ops above.
+@dataclasses.dataclass(frozen=True)
+class RolloutLowering:
+    """How the rollout graph carries a weight spec type (and the activation specs of the same op).
+
+    Attributes:
+        op: the rollout op (``qpass::nvfp4_linear`` ...).
+        lower_pass: the recipe pass that emits it by default.
+        k_multiple: in_features must be a multiple of this (the block size along K).
+        constants: ``quantized weight -> {name: tensor}``: the graph constants of one site, in order.
+        constant_args: constant name -> op argument it feeds; constants not listed are kept as
+            buffers only (NVFP4 ``s_enc``: exported, never read by the op).
+        weight_args: ``weight spec -> {op argument: value}`` (e.g. FP8 ``w_granularity``).
+        act_arg: the op argument that selects the activation format (None: weight-only op).
+        act_value: ``activation spec -> act_arg value``.
+        no_act: value of ``act_arg`` when activations stay unquantized (None: an activation spec
+            is required).
+        defaults: values of the remaining non-tensor arguments (RAC off).
+    """
+
+    op: str
+    lower_pass: str
+    k_multiple: int
+    constants: Callable[[Any], dict[str, torch.Tensor]]
+    constant_args: Mapping[str, str]
+    weight_args: Callable[[QuantSpec], dict[str, Any]] = lambda spec: {}
+    act_arg: str | None = None
+    act_value: Callable[[QuantSpec], str] | None = None
+    no_act: str | None = None
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def op_overload(self) -> Any:
+        """``torch.ops.qpass.<name>.default``."""
+        ns, name = self.op.split("::")
+        return getattr(getattr(torch.ops, ns), name).default
+
+    def act_setting(self, act_spec: QuantSpec | None, site: str = "") -> dict[str, Any]:
+        """``{act_arg: value}`` for an activation spec (or none).
+
+        Raises:
+            QpassError: the op cannot carry ``act_spec`` (names the site).
+        """
+        if self.act_arg is None:
+            if act_spec is not None:
+                raise QpassError(f"site {site}: {self.op} is weight-only; it cannot quantize activations as {act_spec.key}")
+            return {}
+        if act_spec is None:
+            if self.no_act is None:
+                raise QpassError(f"site {site}: {self.op} needs an activation spec")
+            return {self.act_arg: self.no_act}
+        return {self.act_arg: self.act_value(act_spec)}
+
+
+register("rollout_lower", NVFP4Spec, claim=True)(RolloutLowering(
+    op="qpass::nvfp4_linear", lower_pass="w4a4_lower", k_multiple=16,
+    constants=lambda q: {"codes": q.codes, "scales": q.scales, "s_dec": q.s_dec, "s_enc": q.s_enc},
+    constant_args={"codes": "w_codes", "scales": "w_scales", "s_dec": "w_s_dec"},
+    act_arg="act", act_value=lambda a: "nvfp4_per_token" if a.global_scope == "per_token" else "nvfp4", no_act="none",
+    defaults={"rac_ratio": 0.0, "rac_mode": "masked", "rac_selection": "batch", "rac_channels": None},
+))
+register("rollout_lower", MXFP4Spec, claim=True)(RolloutLowering(
+    op="qpass::mxfp4_linear", lower_pass="mxfp4_lower", k_multiple=32,
+    constants=lambda q: {"codes": q.codes, "scales": q.scales},
+    constant_args={"codes": "w_codes", "scales": "w_scales"},
+))
+register("rollout_lower", FP8Spec, claim=True)(RolloutLowering(
+    op="qpass::fp8_linear", lower_pass="fp8_lower", k_multiple=1,
+    constants=lambda q: {"data": q.data, "scale": q.scale},
+    constant_args={"data": "w_data", "scale": "w_scale"},
+    weight_args=lambda w: {"w_granularity": w.granularity.value},
+    act_arg="act_granularity", act_value=lambda a: a.granularity.value,
+))

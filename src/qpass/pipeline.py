@@ -23,8 +23,10 @@ from qpass.errors import CaptureError
 from qpass.graph.capture import capture_scoring, capture_step
 from qpass.graph.model import LoadedModel, load_model
 from qpass.graph.qgraph import QGraph
+from qpass.ops import current_backend
 from qpass.pm import PassContext, PassManager
 from qpass.recipe import Recipe, check_site_globs
+from qpass.tables import check_kernels
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +84,20 @@ class Pipeline:
         debug: bool = True,
         reproducer_dir: Path | None = None,
         calibration: object | None = None,
+        kernels: str | None = None,
     ) -> tuple[QGraph, QGraph]:
         """Clone the base graphs and apply ``recipe`` (learner passes, then rollout passes).
 
+        Args:
+            kernels: the kernel backend the rollout will run on (default: the current one,
+                :func:`qpass.ops.current_backend`); every rollout op must have a kernel there.
         Raises:
             RecipeError: a pass's ``targets``/``exclude`` pattern matches no captured site (checked
                 before any pass runs, see :func:`qpass.recipe.check_site_globs`); see also
                 :meth:`qpass.pm.PassManager.run`.
             PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
+            KernelMissingError: a lowered site's op has no kernel on ``kernels`` (names the site,
+                op, spec and backend) — never a silent fallback at run time.
         """
         check_site_globs(recipe, list(dict.fromkeys([*self.base_scoring.sites, *self.base_step.sites])), self.loaded.name)
         ctx = PassContext(debug=debug, reproducer_dir=reproducer_dir, calibration=calibration, recipe_path=recipe.path)
@@ -99,6 +107,7 @@ class Pipeline:
         rollout = self.base_step.clone("rollout")
         PassManager(recipe.learner, side="learner").run(learner, ctx)
         PassManager(recipe.rollout, side="rollout").run(rollout, ctx)
+        check_kernels(((r.op, r.spec, r.site) for r in rollout.quant.values() if r.lowered), kernels or current_backend())
         return learner, rollout
 
     @property

@@ -66,8 +66,8 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any) -> tupl
 
 
 def _pick_rac_site(rollout: QGraph, acts: dict[str, torch.Tensor]) -> str | None:
-    cands = [s for s, r in rollout.quant.items() if "rac" in r and s in acts] or \
-            [s for s, r in rollout.quant.items() if r.get("act_spec") and s in acts]
+    cands = [s for s, r in rollout.quant.items() if r.rac is not None and s in acts] or \
+            [s for s, r in rollout.quant.items() if r.act_spec is not None and s in acts]
     if not cands:
         return None
     return max(cands, key=lambda s: float(acts[s].abs().max()))
@@ -195,9 +195,9 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
         x_hat = nvfp4_dequantize(nvfp4_quantize(x, spec=NVFP4_ACT), torch.bfloat16).float()
         resid = x.float() - x_hat
         ch = None
-        rec = rollout.quant[site].get("rac")
-        if rec:
-            ch = topk_channels(channel_scores(resid, x.abs().max().float()), rac_num_channels(x.shape[-1], rec["ratio"]))
+        rac = rollout.quant[site].rac
+        if rac:
+            ch = topk_channels(channel_scores(resid, x.abs().max().float()), rac_num_channels(x.shape[-1], rac.ratio))
         diag["residual_site"] = site
         diag["residual_channel_l2_top8"] = torch.topk(residual_channel_map(x).l2, 8).indices.tolist()
     plot_activation_mismatch(rel, tmp / "activation_mismatch.png", f"{recipe.name}: per-site input mismatch (rollout prefill vs learner)")

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from qpass.atomic import atomic_dir
 from qpass.jsonio import write_json
 from qpass.errors import QpassError
 from qpass.graph.capture import site_of
+from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
+from qpass.tables import entry
 
 __all__ = ["atomic_dir", "compare_tensors", "file_checksums", "load_learner_into", "load_rollout_into", "probe_safetensors",
            "read_tensors", "rollout_tensors", "save_learner", "save_rollout", "verify_checksums", "write_json"]
@@ -39,11 +42,10 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
     """The rollout's quantized weights under checkpoint names (see module docstring)."""
     out: dict[str, torch.Tensor] = {}
     for sid, rec in rollout.quant.items():
-        c = rec.get("constants")
-        if not c:
+        if not rec.lowered:
             continue
-        for fname, cname in ROLLOUT_FIELDS[rec["kind"]]:
-            out[f"{sid}.{fname}"] = rollout.gm.get_buffer(c[cname]).detach().cpu()
+        consts = {k: rollout.gm.get_buffer(attr).detach().cpu() for k, attr in rec.constants.items()}
+        out.update(entry("export", rec.spec).tensors(sid, consts))
         ch = _static_channels(rollout, sid)
         if ch is not None:
             out[f"{sid}.rac_channels"] = ch.detach().cpu()
@@ -53,8 +55,8 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
 def _static_channels(rollout: QGraph, sid: str) -> torch.Tensor | None:
     """The calibrated RAC channel constant of a site (``selection: static``), or None."""
     for n in rollout.nodes_of_site(sid):
-        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(n.args[10], torch.fx.Node):
-            return rollout.gm.get_buffer(str(n.args[10].target))
+        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(n)["rac_channels"], torch.fx.Node):
+            return rollout.gm.get_buffer(str(op_args(n)["rac_channels"].target))
     return None
 
 
@@ -68,11 +70,11 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
         # would make the file's bytes differ between identical runs (the recipe is in recipe.yaml)
         save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout"})
         files["weights"] = "weights.safetensors"
-    nvfp4 = [s for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear"]
-    fp8 = [s for s, r in rollout.quant.items() if r.get("kind") == "fp8_linear"]
-    mx = [s for s, r in rollout.quant.items() if r.get("kind") == "mxfp4_linear"]
+    nvfp4 = [s for s, r in rollout.quant.items() if r.kind == "nvfp4_linear"]
+    fp8 = [s for s, r in rollout.quant.items() if r.kind == "fp8_linear"]
+    mx = [s for s, r in rollout.quant.items() if r.kind == "mxfp4_linear"]
     quantized = set(nvfp4) | set(fp8) | set(mx)
-    w4a4 = [s for s in nvfp4 if rollout.quant[s].get("act_spec")]
+    w4a4 = [s for s in nvfp4 if rollout.quant[s].act_spec is not None]
     algo = ("NVFP4" if w4a4 else "W4A16_NVFP4") if nvfp4 else ("FP8_BLOCK" if fp8 else ("MXFP4" if mx else None))
     cfg = {
         "producer": {"name": "qpass", "version": meta.get("qpass_version", "")},
@@ -81,14 +83,15 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
             "group_size": 16 if nvfp4 else None,
             "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier); weight_global_scale = S_enc (encode divisor)",
             "scale_layout": "linear",
-            "input_activations": {"dynamic": True, "per_token": any((rollout.quant[s].get("act_spec") or "").endswith("per_token") for s in nvfp4)},
+            "input_activations": {"dynamic": True, "per_token": any(getattr(rollout.quant[s].act_spec, "global_scope", None) == "per_token" for s in nvfp4)},
             "exclude_modules": sorted(s for s in rollout.sites if s not in quantized),
-            "groups": {s: rollout.quant[s]["group"] for s in sorted(quantized)},
-            "rac": {s: rollout.quant[s]["rac"] for s in nvfp4 if "rac" in rollout.quant[s]},
+            "groups": {s: rollout.quant[s].group for s in sorted(quantized)},
+            "rac": {s: dataclasses.asdict(rollout.quant[s].rac) for s in nvfp4 if rollout.quant[s].rac is not None},
             # per site: format, activation spec (None = weight-only), group; what a loader needs to rebuild the ops
-            "sites": {s: {"kind": rollout.quant[s]["kind"], "weight_spec": rollout.quant[s]["spec"],
-                          "act_spec": rollout.quant[s].get("act_spec"), "group": rollout.quant[s]["group"]}
+            "sites": {s: {k: v for k, v in rollout.quant[s].describe().items() if k in ("kind", "weight_spec", "act_spec", "group")}
                       for s in sorted(quantized)},
+            # non-zero weight blocks whose E4M3 block scale underflowed to 0 (decode to zero, SPEC §3)
+            "flushed_blocks": {s: rollout.quant[s].flushed_blocks for s in sorted(quantized) if rollout.quant[s].flushed_blocks},
         },
     }
     write_json(directory / "hf_quant_config.json", cfg)
@@ -122,14 +125,6 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
         raise QpassError(f"{path} is not a readable safetensors file: {exc}") from exc
 
 
-ROLLOUT_FIELDS = {  # checkpoint suffix -> rollout constant, per rollout op kind (see module docstring)
-    "nvfp4_linear": (("weight", "codes"), ("weight_scale", "scales"), ("weight_scale_2", "s_dec"),
-                     ("weight_global_scale", "s_enc")),
-    "fp8_linear": (("weight", "data"), ("weight_scale_inv", "scale")),
-    "mxfp4_linear": (("weight", "codes"), ("weight_scale", "scales")),
-}
-
-
 def load_rollout_into(rollout: QGraph, path: Path) -> int:
     """Overwrite the rollout graph's quantized constants with **every** tensor of a saved ``weights.safetensors``.
 
@@ -144,10 +139,11 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
     used: set[str] = set()
     missing: list[str] = []
     for sid, rec in rollout.quant.items():
-        c = rec.get("constants")
+        c = rec.constants
         if not c:
             continue
-        for fname, cname in ROLLOUT_FIELDS[rec["kind"]]:
+        # every constant of the site under its checkpoint name (``export`` spec table)
+        for cname, fname in entry("export", rec.spec).names.items():
             key = f"{sid}.{fname}"
             if key not in data:
                 missing.append(key)

@@ -139,7 +139,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
                                              or "no tensors (the recipe quantizes nothing; graphs rebuilt only)"))
         print_check_problems(con, "tensor", failures)
     names = [c.check for c in recipe.parity if c.check != "logprob_gap"]
-    if "weights_bitexact" not in names and any(r.get("kind") == "weight_qdq" for r in learner.quant.values()):
+    if "weights_bitexact" not in names and any(r.weight_fake_quant for r in learner.quant.values()):
         names.append("weights_bitexact")  # a learner QDQ recipe is always re-verified bit for bit
     if behavioral:
         names.append("logprob_gap")

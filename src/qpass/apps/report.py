@@ -152,13 +152,13 @@ def site_counts(learner: QGraph, rollout: QGraph) -> dict[str, Any]:
     rq = rollout.quant.values()
     return {
         "total": len(rollout.sites),
-        "learner_qdq": sum(1 for r in learner.quant.values() if r.get("kind") == "weight_qdq"),
-        "learner_act_qdq": sum(1 for r in learner.quant.values() if r.get("act_spec")),
-        "rollout_w4a4": sum(1 for r in rq if r.get("kind") == "nvfp4_linear" and r.get("act_spec")),
-        "rollout_w4a16": sum(1 for r in rq if r.get("kind") == "nvfp4_linear" and not r.get("act_spec")),
-        "rollout_fp8": sum(1 for r in rq if r.get("kind") == "fp8_linear"),
-        "rollout_act_qdq": sum(1 for r in rq if r.get("kind") == "act_qdq"),
-        "rac": sum(1 for r in rq if "rac" in r),
+        "learner_qdq": sum(1 for r in learner.quant.values() if r.weight_fake_quant),
+        "learner_act_qdq": sum(1 for r in learner.quant.values() if r.act_spec is not None),
+        "rollout_w4a4": sum(1 for r in rq if r.kind == "nvfp4_linear" and r.act_spec is not None),
+        "rollout_w4a16": sum(1 for r in rq if r.kind == "nvfp4_linear" and r.act_spec is None),
+        "rollout_fp8": sum(1 for r in rq if r.kind == "fp8_linear"),
+        "rollout_act_qdq": sum(1 for r in rq if r.kind == "act_qdq"),
+        "rac": sum(1 for r in rq if r.rac is not None),
     }
 
 

@@ -2,7 +2,7 @@
 
 A spec says *what* a quantized tensor means (element format, block shape, scale format, how the
 global scale is stored, layout, tie and zero rules). It carries no code; the quantizers in
-:mod:`qpass.quant` and the lowering tables in :mod:`qpass.lowering` are keyed by spec.
+:mod:`qpass.quant` and the spec tables in :mod:`qpass.tables` are keyed by spec type.
 
 Source: ``SPEC.md`` §3 (NVFP4 reference recipe = TransformerEngine reference recipe; FP8 E4M3
 DeepSeek-style blocks), OCP Microscaling Formats v1.0 (MXFP4).
@@ -103,6 +103,11 @@ class NVFP4Spec:
         """Stable string id used in reports and lowering tables, e.g. ``nvfp4.weight.per_tensor``."""
         return f"{self.name}.{self.role}.{self.global_scope}"
 
+    @property
+    def has_global_scale(self) -> bool:
+        """Weights: one FP32 global scale from the *group* amax (shared by a fused group, SPEC §3 rule 1)."""
+        return self.role == "weight"
+
 
 @dataclasses.dataclass(frozen=True)
 class MXFP4Spec:
@@ -123,6 +128,8 @@ class MXFP4Spec:
     @property
     def key(self) -> str:
         return f"{self.name}.{self.role}"
+
+    has_global_scale = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +168,8 @@ class FP8Spec:
     @property
     def key(self) -> str:
         return f"{self.name}.{self.role}.{self.granularity.value}"
+
+    has_global_scale = False
 
 
 QuantSpec = NVFP4Spec | MXFP4Spec | FP8Spec

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import LINEAR_TARGETS
 
@@ -61,10 +62,11 @@ def _weight_qdq(qg: QGraph) -> list[str]:
         return ["no qpass::nvfp4_qdq node in the graph"]
     bad = []
     for n in nodes:
-        amax = n.args[1]
+        a = op_args(n)
+        amax = a["amax"]
         if not (isinstance(amax, torch.fx.Node) and amax.target == q.group_amax.default):
             bad.append(f"{n.name}: amax input is not a qpass::group_amax node")
-        elif n.args[0] not in amax.args[0]:
+        elif a["w"] not in op_args(amax)["tensors"]:
             bad.append(f"{n.name}: its weight is not a member of its group_amax")
         for user in n.users:
             if not (user.op == "call_function" and user.target in LINEAR_TARGETS and user.args[1] is n):
@@ -89,23 +91,24 @@ def _nvfp4_lowered(qg: QGraph) -> list[str]:
         return ["no qpass::nvfp4_linear node in the graph"]
     bad = []
     for n in nodes:
-        codes, scales, s_dec = (qg.gm.get_buffer(str(a.target)) for a in n.args[1:4])
+        a = op_args(n)
+        codes, scales, s_dec = (qg.gm.get_buffer(str(a[k].target)) for k in ("w_codes", "w_scales", "w_s_dec"))
         k = codes.shape[-1] * 2
         if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or s_dec.dtype != torch.float32:
-            bad.append(f"{n.name} ({n.args[5]}): constant dtypes {codes.dtype}/{scales.dtype}/{s_dec.dtype}")
+            bad.append(f"{n.name} ({a['site']}): constant dtypes {codes.dtype}/{scales.dtype}/{s_dec.dtype}")
         elif scales.shape != (codes.shape[0], k // 16) or s_dec.dim() != 0:
-            bad.append(f"{n.name} ({n.args[5]}): constant shapes {tuple(codes.shape)}/{tuple(scales.shape)}/{tuple(s_dec.shape)}")
-        if n.args[5] != n.meta.get("qpass_linear_site"):
-            bad.append(f"{n.name}: site argument {n.args[5]!r} != stamp {n.meta.get('qpass_linear_site')!r}")
+            bad.append(f"{n.name} ({a['site']}): constant shapes {tuple(codes.shape)}/{tuple(scales.shape)}/{tuple(s_dec.shape)}")
+        if a["site"] != n.meta.get("qpass_linear_site"):
+            bad.append(f"{n.name}: site argument {a['site']!r} != stamp {n.meta.get('qpass_linear_site')!r}")
     return bad
 
 
 @graph_property("rac")
 def _rac(qg: QGraph) -> list[str]:
-    nodes = [n for n in _nvfp4_linear_nodes(qg) if n.args[7] > 0]
+    nodes = [n for n in _nvfp4_linear_nodes(qg) if op_args(n)["rac_ratio"] > 0]
     if not nodes:
         return ["no qpass::nvfp4_linear node with rac_ratio > 0"]
-    return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if n.args[6] == "none"]
+    return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if op_args(n)["act"] == "none"]
 
 
 @graph_property("mxfp4_lowered")
@@ -115,9 +118,10 @@ def _mxfp4_lowered(qg: QGraph) -> list[str]:
         return ["no qpass::mxfp4_linear node in the graph"]
     bad = []
     for n in nodes:
-        codes, scales = (qg.gm.get_buffer(str(a.target)) for a in n.args[1:3])
+        a = op_args(n)
+        codes, scales = (qg.gm.get_buffer(str(a[k].target)) for k in ("w_codes", "w_scales"))
         if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (codes.shape[0], codes.shape[1] * 2 // 32):
-            bad.append(f"{n.name} ({n.args[4]}): constants {codes.dtype}{tuple(codes.shape)} / {scales.dtype}{tuple(scales.shape)}")
+            bad.append(f"{n.name} ({a['site']}): constants {codes.dtype}{tuple(codes.shape)} / {scales.dtype}{tuple(scales.shape)}")
     return bad
 
 
@@ -128,7 +132,7 @@ def _fp8_lowered(qg: QGraph) -> list[str]:
         return ["no qpass::fp8_linear node in the graph"]
     bad = []
     for n in nodes:
-        data = qg.gm.get_buffer(str(n.args[1].target))
+        data = qg.gm.get_buffer(str(op_args(n)["w_data"].target))
         if data.dtype != torch.float8_e4m3fn:
             bad.append(f"{n.name}: weight constant dtype {data.dtype}")
     return bad

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from qpass.graph.capture import CapturedGraph, GraphKind, clone_graph_module, site_of
+from qpass.graph.records import SiteQuant
 from qpass.graph.sites import LINEAR_TARGETS, Site, discover_sites, linear_site_of
 
 Side = Literal["base", "learner", "rollout"]
@@ -23,10 +24,11 @@ QPASS_LINEAR_OPS: tuple[Any, ...] = ()  # filled lazily (avoid importing qpass.o
 
 
 def quantized_linear_targets() -> tuple[Any, ...]:
-    """The rollout linear custom ops (``qpass::nvfp4_linear``, ``qpass::fp8_linear``)."""
-    from qpass import ops  # noqa: F401 - registers the ops
+    """The rollout linear custom ops: the ``op`` of every ``rollout_lower`` table entry."""
+    from qpass.tables import TABLES, load_core
 
-    return (torch.ops.qpass.nvfp4_linear.default, torch.ops.qpass.fp8_linear.default, torch.ops.qpass.mxfp4_linear.default)
+    load_core()
+    return tuple(dict.fromkeys(lo.op_overload() for lo in TABLES["rollout_lower"].values()))
 
 
 def stamp(gm: torch.fx.GraphModule) -> None:
@@ -55,8 +57,9 @@ class QGraph:
         history: one :class:`qpass.pm.PassResult` per pass run, in order.
         properties: graph properties established by passes (checked by the pass manager).
         captured: the capture record (``ExportedProgram``, export time, step-graph sizes).
-        quant: per quantized site, what the pass that quantized it recorded (kind, spec key, group
-            id, group members, source weight path); read by weight sync and the parity checker.
+        quant: per quantized site, its :class:`qpass.graph.records.SiteQuant` (spec objects, group,
+            members, constants, RAC, source weight path); read by weight sync, the parity checker
+            and the exports.
     """
 
     gm: torch.fx.GraphModule
@@ -66,7 +69,7 @@ class QGraph:
     captured: CapturedGraph
     history: list[Any] = dataclasses.field(default_factory=list)
     properties: set[str] = dataclasses.field(default_factory=set)
-    quant: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    quant: dict[str, SiteQuant] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_capture(cls, cap: CapturedGraph) -> "QGraph":
@@ -78,7 +81,7 @@ class QGraph:
         gm = clone_graph_module(self.gm, share_params=share_params)
         return QGraph(gm=gm, kind=self.kind, side=side, sites=dict(self.sites), captured=self.captured,
                       history=list(self.history), properties=set(self.properties),
-                      quant={k: dict(v) for k, v in self.quant.items()})
+                      quant=dict(self.quant))
 
     # ------------------------------------------------------------------ queries
     def nodes_of_site(self, site_id: str) -> list[torch.fx.Node]:

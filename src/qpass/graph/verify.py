@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 from qpass.errors import VerificationError
-from qpass.graph.qgraph import QGraph
+from qpass.graph.opargs import op_args
+from qpass.graph.qgraph import QGraph, quantized_linear_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +35,18 @@ def _qpass_name(node: torch.fx.Node) -> str | None:
     return node.target.name() if _namespace(node) == "qpass" else None
 
 
-LEARNER_QPASS_OPS = {"qpass::group_amax", "qpass::nvfp4_qdq", "qpass::nvfp4_act_qdq"}
+LEARNER_QPASS_OPS = {"qpass::group_amax", "qpass::nvfp4_qdq", "qpass::nvfp4_act_qdq", "qpass::qdq"}
 ROLLOUT_QPASS_OPS = {"qpass::nvfp4_linear", "qpass::fp8_linear", "qpass::mxfp4_linear", "qpass::nvfp4_act_qdq"}
+# the spec tables' ops must all be in these lists (tests/test_tables.py checks it)
+KNOWN_QPASS_OPS = LEARNER_QPASS_OPS | ROLLOUT_QPASS_OPS
 
 
 def _site_arg_matches(node: torch.fx.Node) -> bool:
-    name = _qpass_name(node)
-    site_arg = {"qpass::nvfp4_linear": 5, "qpass::fp8_linear": 4, "qpass::mxfp4_linear": 4}.get(name)
-    if site_arg is not None:
-        return node.args[site_arg] == node.meta.get("qpass_linear_site")
+    """A rollout linear's ``site`` argument equals its ``qpass_linear_site`` stamp."""
+    if _qpass_name(node) in ROLLOUT_QPASS_OPS and node.meta.get("qpass_linear_site") is not None:
+        args = op_args(node)
+        if "site" in args and node.target in quantized_linear_targets():
+            return args["site"] == node.meta.get("qpass_linear_site")
     return True
 
 

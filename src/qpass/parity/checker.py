@@ -21,8 +21,10 @@ from typing import Any
 import networkx as nx
 import torch
 
-from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
+from qpass.ops import WEIGHT_OPERAND_DTYPE
 from qpass.graph.sites import LINEAR_TARGETS
 from qpass.quant import qdq  # noqa: F401
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
@@ -56,6 +58,7 @@ class GroupParity:
     diffs: list[ParityDiff]
     dequant_equal: bool
     divergence: str | None = None
+    operand_notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -64,6 +67,7 @@ class GroupParity:
     def to_json(self) -> dict[str, Any]:
         return {
             "group": self.group, "ok": self.ok, "dequant_equal": self.dequant_equal, "divergence": self.divergence,
+            "operand_notes": self.operand_notes,
             "sites": {d.name: {"differing_codes": d.differing_codes, "differing_scales": d.differing_scales,
                                "global_differs": d.global_differs, "first_code": d.first_code,
                                "first_scale": d.first_scale, "total_codes": d.total_codes,
@@ -90,7 +94,8 @@ class BitexactReport:
                 if not d.ok:
                     out.append(d.summary() + (f" [looks like {g.divergence}]" if g.divergence else ""))
             if not g.dequant_equal and all(d.ok for d in g.diffs):
-                out.append(f"{g.group}: learner QDQ output != decode of rollout bytes")
+                out.append(f"{g.group}: learner QDQ output != the rollout op's decoded weight operand"
+                           + (f" ({'; '.join(g.operand_notes[:2])})" if g.operand_notes else ""))
         return out
 
 
@@ -102,14 +107,18 @@ def _learner_qdq_sites(learner: QGraph) -> dict[str, dict[str, Any]]:
     for n in learner.gm.graph.nodes:
         if n.op != "call_function" or n.target not in LINEAR_TARGETS:
             continue
-        w = n.args[1]
+        w = op_args(n)["weight"]
         if isinstance(w, torch.fx.Node) and w.target == qdq_op:
             site = n.meta.get("qpass_linear_site")
-            amax = w.args[1]
-            members = [str(m.target) for m in amax.args[0]] if getattr(amax, "target", None) == amax_op else []
-            out[site] = {"spec": "nvfp4.weight.per_tensor", "members": sorted(members), "weight": str(w.args[0].target),
-                         "site_arg": w.args[2]}
+            wa = op_args(w)
+            amax = wa["amax"]
+            members = [str(m.target) for m in op_args(amax)["tensors"]] if getattr(amax, "target", None) == amax_op else []
+            out[site] = {"spec": NVFP4_WEIGHT, "members": sorted(members), "weight": str(wa["w"].target),
+                         "site_arg": wa["site"]}
     return out
+
+
+_INPUT_ARG = {torch.ops.aten.linear.default: "input"}
 
 
 def site_dataflow(qg: QGraph) -> nx.DiGraph:
@@ -130,7 +139,7 @@ def site_dataflow(qg: QGraph) -> nx.DiGraph:
         sid = n.meta.get("qpass_linear_site") if n.op == "call_function" and n.target in lin_targets else None
         if sid is not None:
             g.add_node(sid)
-            x = n.args[0]
+            x = op_args(n)[_INPUT_ARG.get(n.target, "x")]
             for a in (x.all_input_nodes if isinstance(x, torch.fx.Node) and x.meta.get("qpass_act_site") else [x]):
                 for d in up.get(a, frozenset()) if isinstance(a, torch.fx.Node) else ():
                     g.add_edge(d, sid)
@@ -148,7 +157,7 @@ def check_structural(learner: QGraph, rollout: QGraph) -> StructuralReport:
     problems: list[str] = []
     lsites = _learner_qdq_sites(learner)
     matched = 0
-    rq = {s: r for s, r in rollout.quant.items() if r.get("kind") == "nvfp4_linear"}
+    rq = {s: r for s, r in rollout.quant.items() if r.lowered and r.spec == NVFP4_WEIGHT}
     for sid, rec in rq.items():
         ls = lsites.get(sid)
         if ls is None:
@@ -156,9 +165,9 @@ def check_structural(learner: QGraph, rollout: QGraph) -> StructuralReport:
             continue
         if ls["site_arg"] != sid:
             problems.append(f"{sid}: learner qdq node carries site {ls['site_arg']!r}")
-        if rec["spec"] != ls["spec"]:
-            problems.append(f"{sid}: spec learner={ls['spec']} rollout={rec['spec']}")
-        r_members = sorted(rollout.sites[m].weight for m in rec["members"])
+        if rec.spec != ls["spec"]:
+            problems.append(f"{sid}: spec learner={ls['spec'].key} rollout={rec.spec.key}")
+        r_members = sorted(rollout.sites[m].weight for m in rec.members)
         if r_members != ls["members"]:
             problems.append(f"{sid}: fused group differs: learner shares amax with {ls['members']}, rollout with {r_members}")
             continue
@@ -196,33 +205,41 @@ def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_diverge
     lparams = dict(learner.gm.named_parameters(remove_duplicate=False))
     groups: dict[str, list[str]] = {}
     for sid, rec in rollout.quant.items():
-        if rec.get("kind") == "nvfp4_linear":
-            groups.setdefault(rec["group"], []).append(sid)
+        if rec.lowered and rec.spec == NVFP4_WEIGHT:
+            groups.setdefault(rec.group, []).append(sid)
     out, skipped = [], []
     for gid, sids in groups.items():
-        if any(learner.quant.get(s, {}).get("kind") != "weight_qdq" for s in sids):
+        if any(s not in learner.quant or not learner.quant[s].weight_fake_quant for s in sids):
             skipped.append(gid)
             continue
-        ws = [lparams[learner.quant[s]["weight"]].detach() for s in sids]
-        lmembers = learner.quant[sids[0]]["members"]
+        ws = [lparams[learner.quant[s].weight].detach() for s in sids]
+        lmembers = learner.quant[sids[0]].members
         if sorted(lmembers) != sorted(sids):
             ws_all = [lparams[learner.sites[m].weight].detach() for m in lmembers]
         else:
             ws_all = ws
         amax = torch.ops.qpass.group_amax(ws_all)  # the op the learner graph runs
-        diffs, deq_ok, div = [], True, None
+        diffs, deq_ok, div, operand_notes = [], True, None, []
         for sid, w in zip(sids, ws):
-            c = rollout.quant[sid]["constants"]
+            c = rollout.quant[sid].constants
             codes, scales, s_dec = (rollout.gm.get_buffer(c[k]) for k in ("codes", "scales", "s_dec"))
             mine = parity_object(nvfp4_quantize(w, amax, site=sid), sid)
             theirs = parity_object_from_parts(codes, scales, s_dec, sid)
             d = compare_parity(mine, theirs, sid)
             diffs.append(d)
+            # what each side multiplies: the learner's QDQ output (model dtype) and the rollout op's
+            # decoded weight operand (WEIGHT_OPERAND_DTYPE), compared as exact float32 values
             w_hat = torch.ops.qpass.nvfp4_qdq(w, amax, sid)
-            deq = nvfp4_dequantize(NVFP4Tensor.from_parts(codes, scales, s_dec), w.dtype)
-            same = bool(torch.equal(w_hat.view(torch.int16) if w_hat.dtype == torch.bfloat16 else w_hat, deq.view(torch.int16) if deq.dtype == torch.bfloat16 else deq))
+            deq = nvfp4_dequantize(NVFP4Tensor.from_parts(codes, scales, s_dec), WEIGHT_OPERAND_DTYPE)
+            same = bool(torch.equal(w_hat.float(), deq.float()))
+            if not same:
+                n_diff = int((w_hat.float() != deq.float()).sum())
+                operand_notes.append(
+                    f"{sid}: learner multiplies {str(w_hat.dtype).removeprefix('torch.')} weights, the rollout op "
+                    f"{str(WEIGHT_OPERAND_DTYPE).removeprefix('torch.')} weights: {n_diff} of {w_hat.numel()} operand values differ"
+                )
             deq_ok &= same
             if (not d.ok) and identify_divergence and div is None:
                 div = _divergence(codes, scales, s_dec, w, amax)
-        out.append(GroupParity(gid, sids, diffs, deq_ok, div))
+        out.append(GroupParity(gid, sids, diffs, deq_ok, div, operand_notes))
     return BitexactReport(all(g.ok for g in out) and bool(out), out, skipped)

@@ -9,10 +9,13 @@ Before: ``y = aten.linear(x, w)``. After: ``y = aten.linear(qpass.nvfp4_act_qdq(
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
 from qpass.graph.qgraph import QGraph
+from qpass.graph.records import SiteQuant
 from qpass.graph.sites import LINEAR_TARGETS
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant import qdq  # noqa: F401
@@ -53,9 +56,9 @@ class ActQDQ(Pass):
                     xq = g.call_function(torch.ops.qpass.nvfp4_act_qdq.default, (x, s.id, self.options.per_token))
                 copy_meta(x if isinstance(x, torch.fx.Node) else lin, xq, qpass_site=s.id, qpass_act_site=s.id)
                 lin.update_arg(0, xq)
-            rec = qg.quant.setdefault(s.id, {"group": s.group, "members": [s.id], "weight": s.weight})
-            rec["act_spec"] = spec.key
-            rec.setdefault("kind", "act_qdq")
+            prev = qg.quant.get(s.id)
+            qg.quant[s.id] = (dataclasses.replace(prev, act_spec=spec) if prev else SiteQuant(
+                site=s.id, weight=s.weight, group=s.group, members=(s.id,), act_spec=spec, op="qpass::nvfp4_act_qdq"))
             res.sites.append(s.id)
         res.matches = len(res.sites)
         res.changed = res.matches > 0

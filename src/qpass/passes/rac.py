@@ -13,6 +13,7 @@ QUADS applies k = 50% on the gate/up input (the default targets).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import pydantic
@@ -21,10 +22,11 @@ import torch
 from qpass.errors import PassError
 from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
 from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear / qpass::fp8_linear
+from qpass.graph.opargs import op_args, set_op_args
 from qpass.graph.qgraph import QGraph
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from qpass.quant.rac import channel_scores, rac_num_channels, topk_channels
+from qpass.quant.rac import RACConfig, channel_scores, rac_num_channels, topk_channels
 
 from qpass.passes.common import finish, selected
 
@@ -60,14 +62,23 @@ class ResidualCompensation(Pass):
         sites, res.skipped = selected(qg, o, need_nvfp4=True)
         op = torch.ops.qpass.nvfp4_linear.default
         todo: dict[str, list[torch.fx.Node]] = {}
+        zero: list[str] = []
         for s in sites:
             nodes = [n for n in qg.nodes_of_site(s.id) if n.target == op]
             if not nodes:
                 res.skipped.append((s.id, "not lowered to qpass.nvfp4_linear"))
-            elif any(n.args[6] == "none" for n in nodes):
+            elif any(op_args(n)["act"] == "none" for n in nodes):
                 res.skipped.append((s.id, "W4A16 site: its activations are not quantized, nothing to compensate"))
+            elif rac_num_channels(s.in_features, o.ratio) == 0:
+                zero.append(s.id)
+                res.skipped.append((s.id, f"ratio {o.ratio} of in_features={s.in_features} selects 0 channels"))
             else:
                 todo[s.id] = nodes
+        if zero and not todo:
+            raise PassError(
+                f"residual_compensation: ratio {o.ratio} selects 0 channels on every targeted site "
+                f"({len(zero)}: {zero[:4]}{' ...' if len(zero) > 4 else ''}); use a ratio >= 1/in_features or drop the pass"
+            )
         calib = {}
         if o.selection == "static" and todo:
             if ctx.calibration is None:
@@ -78,13 +89,11 @@ class ResidualCompensation(Pass):
             if o.selection == "static":
                 if sid not in calib:
                     raise PassError(f"calibration produced no activations for site {sid}")
-                ch = static_channels(calib[sid], nodes[0].args[6] == "nvfp4_per_token", o.ratio)
+                ch = static_channels(calib[sid], op_args(nodes[0])["act"] == "nvfp4_per_token", o.ratio)
                 ch_node = qg.add_constant("qpass_rac__" + sid + "__channels", ch, before=nodes[0])
             for n in nodes:
-                args = list(n.args)
-                args[7:11] = [float(o.ratio), o.mode, o.selection, ch_node]
-                n.args = tuple(args)
-            qg.quant[sid]["rac"] = {"ratio": o.ratio, "mode": o.mode, "selection": o.selection}
+                set_op_args(n, rac_ratio=float(o.ratio), rac_mode=o.mode, rac_selection=o.selection, rac_channels=ch_node)
+            qg.quant[sid] = dataclasses.replace(qg.quant[sid], rac=RACConfig(float(o.ratio), o.mode, o.selection))
             res.sites.append(sid)
         res.matches = len(res.sites)
         res.changed = res.matches > 0

@@ -25,6 +25,7 @@ import torch
 
 from qpass.formats.spec import NVFP4_WEIGHT
 from qpass.graph.qgraph import QGraph
+from qpass.graph.records import SiteQuant
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant import qdq  # noqa: F401 - registers the ops
 
@@ -69,13 +70,14 @@ class WeightQDQ(Pass):
                         w_hat = g.call_function(torch.ops.qpass.nvfp4_qdq.default, (lin.args[1], amax, s.id))
                     copy_meta(lin.args[1], w_hat, qpass_site=s.id, qpass_qdq_site=s.id)
                     lin.update_arg(1, w_hat)
-                qg.quant[s.id] = {
-                    "kind": "weight_qdq", "spec": NVFP4_WEIGHT.key, "group": gid,
-                    "members": [m.id for m in members], "weight": s.weight,
-                }
+                prev = qg.quant.get(s.id)
+                qg.quant[s.id] = SiteQuant(
+                    site=s.id, weight=s.weight, group=gid, members=tuple(m.id for m in members), spec=NVFP4_WEIGHT,
+                    act_spec=prev.act_spec if prev else None, op="qpass::nvfp4_qdq",
+                )
                 res.sites.append(s.id)
         res.matches = len(res.sites)
         res.changed = res.matches > 0
-        res.details["groups"] = len({qg.quant[s]["group"] for s in res.sites})
+        res.details["groups"] = len({qg.quant[s].group for s in res.sites})
         finish(qg)
         return res

@@ -115,3 +115,16 @@ def fp8_dequantize(q: FP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.T
     d = q.data.to(torch.float32).reshape(-1, k)
     out = (d * _expand_scale(q.scale, q.spec, d.shape[0], k)).reshape(q.shape)
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _register_tables() -> None:
+    from qpass.tables import register
+
+    @register("reference", FP8Spec)
+    def _fp8_reference(spec: FP8Spec, x: torch.Tensor, *, amax: torch.Tensor | None = None,
+                       site: str | None = None, name: str | None = None) -> FP8Tensor:
+        """``fp8_quantize`` with the spec's granularity (scales from ``x``: ``amax`` is ignored)."""
+        return fp8_quantize(x, spec=spec, site=site, name=name)
+
+
+_register_tables()

@@ -66,3 +66,16 @@ def mxfp4_dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     s = e8m0_to_float(q.scales).unsqueeze(-1)
     out = (vals.reshape(*lead, k // BLOCK, BLOCK) * s).reshape(*lead, k)
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _register_tables() -> None:
+    from qpass.tables import register
+
+    @register("reference", MXFP4Spec)
+    def _mxfp4_reference(spec: MXFP4Spec, x: torch.Tensor, *, amax: torch.Tensor | None = None,
+                         site: str | None = None, name: str | None = None) -> MXFP4Tensor:
+        """``mxfp4_quantize`` (no global scale: ``amax`` is ignored)."""
+        return mxfp4_quantize(x, site=site, name=name)
+
+
+_register_tables()

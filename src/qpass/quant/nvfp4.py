@@ -90,6 +90,10 @@ class NVFP4Tensor:
         s_dec = torch.as_tensor(s_dec, dtype=torch.float32)
         return cls(codes=codes, scales=scales, s_dec=s_dec, shape=shape, spec=spec)
 
+    def flushed_blocks(self) -> int:
+        """Blocks with a non-zero element whose E4M3 scale underflowed to 0 (see :func:`flushed_blocks`)."""
+        return flushed_blocks(self)
+
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """See :func:`nvfp4_dequantize`."""
         return nvfp4_dequantize(self, dtype)
@@ -233,6 +237,12 @@ def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec =
 
 def _check_amax(amax: torch.Tensor, x: torch.Tensor, per_token: bool, name: str | None, site: str | None) -> None:
     where = describe(name, site)
+    if not bool(torch.isfinite(amax).all()) and bool(torch.isfinite(x).all()):
+        # x itself was checked finite: the NaN/inf is in another member of x's quantization group
+        raise QuantizationError(
+            f"the group amax {amax.flatten()[:4].tolist()} given for {where} is not finite, but this tensor is: "
+            "another member of its quantization group (fused q/k/v or gate/up) has NaN/inf"
+        )
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise QuantizationError(f"amax must be finite and >= 0, got {amax.flatten()[:4].tolist()} for {where}")
     expected = () if not per_token else tuple(x.shape[:-1]) + (1,)
@@ -272,3 +282,29 @@ def nvfp4_qdq_reference(x: torch.Tensor, amax: torch.Tensor | None = None, *, sp
 def nvfp4_act_spec(per_token: bool) -> NVFP4Spec:
     """The activation spec for a dynamic per-tensor or per-token global scale."""
     return NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
+
+
+def flushed_blocks(q: NVFP4Tensor) -> int:
+    """Number of 1x16 blocks with a non-zero element whose E4M3 scale byte underflowed to 0.
+
+    Such a block decodes to all zeros (SPEC §3 ``ZeroScaleRule.KEEP_ZERO``: the scale stays 0 and
+    the codes saturate). Counted from the quantized tensor alone: a flushed block has scale byte 0
+    and at least one non-zero code magnitude (an all-zero block encodes to magnitude 0).
+    """
+    mag = unpack_e2m1(q.codes) & 7
+    lead, k = mag.shape[:-1], mag.shape[-1]
+    nonzero = (mag.reshape(*lead, k // BLOCK, BLOCK) != 0).any(dim=-1)
+    return int(((q.scales.view(torch.uint8) == 0) & nonzero).sum())
+
+
+def _register_tables() -> None:
+    from qpass.tables import register
+
+    @register("reference", NVFP4Spec)
+    def _nvfp4_reference(spec: NVFP4Spec, x: torch.Tensor, *, amax: torch.Tensor | None = None,
+                         site: str | None = None, name: str | None = None) -> NVFP4Tensor:
+        """``nvfp4_quantize``; ``amax`` (group amax) is used by weight specs only."""
+        return nvfp4_quantize(x, amax if spec.has_global_scale else None, spec=spec, site=site, name=name)
+
+
+_register_tables()

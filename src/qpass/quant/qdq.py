@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec
 from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
 
 
@@ -114,7 +114,7 @@ def qdq_op(x: torch.Tensor, amax: torch.Tensor | None, spec: str, site: str) -> 
     NVFP4 weights take the group ``amax`` (or None = max|x|); other specs compute their scales
     from ``x``. Backward is the straight-through estimator.
     """
-    from qpass.lowering import reference_qdq
+    from qpass.tables import reference_qdq
 
     return reference_qdq(spec, x, amax, site or None)
 
@@ -129,3 +129,22 @@ def _ste_qdq_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
 
 
 qdq_op.register_autograd(_ste_qdq_backward, setup_context=_ste_setup)
+
+
+def _register_tables() -> None:
+    from qpass.tables import LearnerQDQ, register
+
+    def nvfp4(spec: NVFP4Spec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
+        if spec.role == "weight":
+            return nvfp4_qdq_op(x, amax if amax is not None else group_amax_op([x]), site)
+        return nvfp4_act_qdq_op(x, site, spec.global_scope == "per_token")
+
+    def generic(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
+        return qdq_op(x, amax, spec.key, site)
+
+    register("learner_qdq", NVFP4Spec)(LearnerQDQ({"weight": "qpass::nvfp4_qdq", "activation": "qpass::nvfp4_act_qdq"}, nvfp4))
+    for t in (MXFP4Spec, FP8Spec):
+        register("learner_qdq", t)(LearnerQDQ({"weight": "qpass::qdq", "activation": "qpass::qdq"}, generic))
+
+
+_register_tables()

@@ -75,7 +75,7 @@ class GraphRolloutEngine(TorchRollout):
         """
         state = {attr_of(name): t for name, t in weights.items()}
         need = [p for p, _ in self.qg.gm.named_parameters(remove_duplicate=False)]
-        need += [rec["weight"] for rec in self.qg.quant.values() if "weight" in rec]
+        need += [rec.weight for rec in self.qg.quant.values()]
         missing = sorted({site_of(p) for p in need if p not in state})
         if missing:
             raise QpassError(f"rollout weight update: {len(missing)} weight(s) missing from the update, e.g. {missing[:5]}")
@@ -90,7 +90,7 @@ class GraphRolloutEngine(TorchRollout):
         buf = self.qg.gm.get_buffer
         out: dict[str, ServedSite] = {}
         for sid, rec in self.qg.quant.items():
-            kind, c = rec.get("kind"), rec.get("constants", {})
+            kind, c = rec.kind, rec.constants
             if kind == "nvfp4_linear":
                 out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]), rec.get("group", sid))
             elif kind == "mxfp4_linear":

@@ -14,11 +14,10 @@ from collections.abc import Mapping
 import torch
 
 from qpass.errors import QpassError
-from qpass.formats.spec import FP8Spec, Granularity
 from qpass.graph.qgraph import QGraph
-from qpass.passes.nvfp4_lower import quantize_site_weights
-from qpass.quant.fp8 import fp8_quantize
-from qpass.quant.mxfp4 import mxfp4_quantize
+from qpass.graph.records import SiteQuant
+from qpass.quant.weights import quantize_site_weights
+from qpass.tables import entry
 
 
 @dataclasses.dataclass
@@ -42,7 +41,10 @@ def fingerprint(*tensors: torch.Tensor) -> str:
 def sync_weights(learner: QGraph | Mapping[str, torch.Tensor], rollout: QGraph) -> SyncReport:
     """Refresh every rollout weight from the learner's current master weights, in place.
 
-    ``learner`` is the learner graph or its master weights by graph attribute path.
+    ``learner`` is the learner graph or its master weights by graph attribute path. Each
+    quantization group (a fused group for specs with a global scale, else one site) is
+    re-quantized with :func:`qpass.quant.weights.quantize_site_weights` (fresh group amax) and its
+    constants overwrite the rollout buffers named in the site records.
 
     Raises:
         QpassError: a rollout constant has no source weight in the learner graph.
@@ -55,39 +57,25 @@ def sync_weights(learner: QGraph | Mapping[str, torch.Tensor], rollout: QGraph) 
             copied += 1
     requantized = 0
     fingerprints: dict[str, str] = {}
-    groups: dict[str, list[str]] = {}
-    for sid, rec in rollout.quant.items():
-        if rec.get("kind") == "nvfp4_linear":
-            groups.setdefault(rec["group"], []).append(sid)
-    for gid, sids in groups.items():
-        weights, names = {}, {}
-        for sid in sids:
-            src = rollout.quant[sid]["weight"]
-            if src not in lparams:
-                raise QpassError(f"weight sync: rollout site {sid} has no source weight {src} in the learner graph")
-            weights[sid], names[sid] = lparams[src].detach(), src
-        quantized = quantize_site_weights(weights, names)
+    groups: dict[str, list[SiteQuant]] = {}
+    for rec in rollout.quant.values():
+        if rec.lowered:
+            groups.setdefault(rec.group, []).append(rec)
+    for gid, recs in groups.items():
+        weights = {}
+        for rec in recs:
+            if rec.weight not in lparams:
+                raise QpassError(f"weight sync: rollout site {rec.site} has no source weight {rec.weight} in the learner graph")
+            weights[rec.site] = lparams[rec.weight].detach()
+        quantized = quantize_site_weights(recs[0].spec, weights, names={r.site: r.weight for r in recs})
         parts = []
-        for sid in sids:
-            consts = rollout.quant[sid]["constants"]
-            q = quantized[sid]
-            for key, val in (("codes", q.codes), ("scales", q.scales), ("s_dec", q.s_dec), ("s_enc", q.s_enc)):
-                rollout.gm.get_buffer(consts[key]).copy_(val)
-            parts += [q.codes, q.scales, q.s_dec]
+        for rec in recs:
+            consts = quantized[rec.site].constants
+            for key, attr in rec.constants.items():
+                rollout.gm.get_buffer(attr).copy_(consts[key])
+            lowering = entry("rollout_lower", rec.spec)
+            parts += [consts[k] for k in lowering.constant_args]
+            rollout.quant[rec.site] = dataclasses.replace(rec, flushed_blocks=quantized[rec.site].flushed_blocks)
             requantized += 1
         fingerprints[gid] = fingerprint(*parts)
-    for sid, rec in rollout.quant.items():
-        if rec.get("kind") == "mxfp4_linear":
-            q = mxfp4_quantize(lparams[rec["weight"]].detach(), site=sid)
-            rollout.gm.get_buffer(rec["constants"]["codes"]).copy_(q.codes)
-            rollout.gm.get_buffer(rec["constants"]["scales"]).copy_(q.scales)
-            fingerprints[sid] = fingerprint(q.codes, q.scales)
-            requantized += 1
-        if rec.get("kind") == "fp8_linear":
-            wspec = FP8Spec(role="weight", granularity=Granularity(rec["spec"].rsplit(".", 1)[-1]))
-            q = fp8_quantize(lparams[rec["weight"]].detach(), spec=wspec, site=sid)
-            rollout.gm.get_buffer(rec["constants"]["data"]).copy_(q.data)
-            rollout.gm.get_buffer(rec["constants"]["scale"]).copy_(q.scale)
-            fingerprints[sid] = fingerprint(q.data, q.scale)
-            requantized += 1
     return SyncReport(copied, requantized, fingerprints)

@@ -92,13 +92,13 @@ class BF16Shadow:
             sparams = dict(self.qg.gm.named_parameters(remove_duplicate=False))
             amax: dict[str, torch.Tensor] = {}
             for sid, rec in learner.quant.items():
-                if rec.get("kind") != "weight_qdq":
+                if not rec.weight_fake_quant:
                     continue
-                gid = rec["group"]
+                gid = rec.group
                 if gid not in amax:
-                    amax[gid] = torch.ops.qpass.group_amax([lparams[learner.quant[m]["weight"]].detach() for m in rec["members"]])
-                w = lparams[rec["weight"]].detach()
-                sparams[rec["weight"]].copy_(torch.ops.qpass.nvfp4_qdq(w, amax[gid], sid))
+                    amax[gid] = torch.ops.qpass.group_amax([lparams[learner.quant[m].weight].detach() for m in rec.members])
+                w = lparams[rec.weight].detach()
+                sparams[rec.weight].copy_(torch.ops.qpass.nvfp4_qdq(w, amax[gid], sid))
         return n
 
     @torch.no_grad()

@@ -146,18 +146,18 @@ def nvfp4_groups(rollout: QGraph) -> dict[str, list[str]]:
     """``{group id: [site, ...]}`` of the rollout's NVFP4 linears, in the order weight sync uses."""
     groups: dict[str, list[str]] = {}
     for sid, rec in rollout.quant.items():
-        if rec.get("kind") == "nvfp4_linear":
-            groups.setdefault(rec["group"], []).append(sid)
+        if rec.kind == "nvfp4_linear":
+            groups.setdefault(rec.group, []).append(sid)
     return groups
 
 
 def _fp8_sites(rollout: QGraph) -> list[str]:
-    return [sid for sid, rec in rollout.quant.items() if rec.get("kind") == "fp8_linear"]
+    return [sid for sid, rec in rollout.quant.items() if rec.kind == "fp8_linear"]
 
 
 def has_learner_qdq(learner: QGraph) -> bool:
     """True if the learner graph fake-quantizes any weight (``weight_qdq`` sites)."""
-    return any(rec.get("kind") == "weight_qdq" for rec in learner.quant.values())
+    return any(rec.weight_fake_quant for rec in learner.quant.values())
 
 
 @dataclasses.dataclass
@@ -182,10 +182,10 @@ def snapshot_rollout_constants(rollout: QGraph) -> RolloutConstants:
     """Clone every quantized weight constant the rollout graph holds (NVFP4 and FP8 sites)."""
     nv, f8 = {}, {}
     for sid, rec in rollout.quant.items():
-        c = rec.get("constants", {})
-        if rec.get("kind") == "nvfp4_linear":
+        c = rec.constants
+        if rec.kind == "nvfp4_linear":
             nv[sid] = tuple(rollout.gm.get_buffer(c[k]).detach().clone() for k in ("codes", "scales", "s_dec"))
-        elif rec.get("kind") == "fp8_linear":
+        elif rec.kind == "fp8_linear":
             f8[sid] = tuple(rollout.gm.get_buffer(c[k]).detach().clone() for k in ("data", "scale"))
     return RolloutConstants(nv, f8)
 
@@ -299,8 +299,8 @@ def _fingerprint(*tensors: torch.Tensor) -> str:
 
 
 def _learner_group_amax(learner: QGraph, lparams: Mapping[str, torch.Tensor], sid: str) -> torch.Tensor:
-    members = learner.quant[sid]["members"]
-    ws = [lparams[learner.quant[m]["weight"]].detach() for m in members]
+    members = learner.quant[sid].members
+    ws = [lparams[learner.quant[m].weight].detach() for m in members]
     return torch.ops.qpass.group_amax(ws)
 
 
@@ -320,18 +320,18 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
     mismatches: list[str] = []
     n_checked = n_aligned = 0
     for gid, sids in nvfp4_groups(rollout).items():
-        aligned = all(learner.quant.get(s, {}).get("kind") == "weight_qdq" for s in sids)
+        aligned = all(s in learner.quant and learner.quant[s].weight_fake_quant for s in sids)
         parts_l: list[torch.Tensor] = []
         parts_r: list[torch.Tensor] = []
         if aligned:
             amax = _learner_group_amax(learner, lparams, sids[0])
         else:
-            amax = torch.ops.qpass.group_amax([lparams[rollout.quant[s]["weight"]].detach() for s in sids])
+            amax = torch.ops.qpass.group_amax([lparams[rollout.quant[s].weight].detach() for s in sids])
         for sid in sids:
-            w = lparams[(learner.quant[sid] if aligned else rollout.quant[sid])["weight"]].detach()
+            w = lparams[(learner.quant[sid] if aligned else rollout.quant[sid]).weight].detach()
             q = nvfp4_quantize(w, amax, site=sid)
             parts_l += [q.codes, q.scales, q.s_dec]
-            c = rollout.quant[sid]["constants"]
+            c = rollout.quant[sid].constants
             parts_r += [rollout.gm.get_buffer(c[k]) for k in ("codes", "scales", "s_dec")]
         fl, fr, fs = _fingerprint(*parts_l), _fingerprint(*parts_r), fingerprints.get(gid)
         n_checked += 1
@@ -342,9 +342,8 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
         from qpass.quant.fp8 import fp8_quantize
 
         rec = rollout.quant[sid]
-        spec = FP8Spec(role="weight", granularity=Granularity(rec["spec"].rsplit(".", 1)[-1]))
-        q = fp8_quantize(lparams[rec["weight"]].detach(), spec=spec, site=sid)
-        c = rec["constants"]
+        q = fp8_quantize(lparams[rec.weight].detach(), spec=rec.spec, site=sid)
+        c = rec.constants
         fl = _fingerprint(q.data, q.scale)
         fr = _fingerprint(rollout.gm.get_buffer(c["data"]), rollout.gm.get_buffer(c["scale"]))
         fs = fingerprints.get(sid)

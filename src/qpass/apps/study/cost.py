@@ -138,6 +138,9 @@ def time_rac_linear(
         time_fn = None  # type: ignore[assignment]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows: dict[str, dict[str, Any]] = {}
+    from qpass.apps.plugins import load_backends
+
+    load_backends([kernels])  # the one registration path (core ops never import a backend)
     with ops.use_kernels(kernels):
         for m, n, k in shapes:
             w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)

@@ -20,12 +20,14 @@ at a time: what the rollout computes when it samples).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from qpass.diagnostics.layerwise import SiteMismatch, layerwise_mismatch
 from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
+from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.rac import RACConfig, rac_num_channels, rac_reference, scatter_gathered
@@ -42,18 +44,19 @@ def _ops() -> tuple[Any, Any, Any]:
             torch.ops.qpass.nvfp4_act_qdq.default)
 
 
-def effective_nvfp4_input(x: torch.Tensor, args: tuple) -> torch.Tensor:
+def effective_nvfp4_input(x: torch.Tensor, args: Mapping[str, Any]) -> torch.Tensor:
     """The GEMM operand of one ``qpass::nvfp4_linear`` call (reference semantics).
 
     Args:
         x: the op's input ``[..., K]`` (all rows of the call).
-        args: the node's arguments ``(x, codes, scales, s_dec, bias, site, act, rac_ratio, rac_mode,
-            rac_selection, rac_channels)``.
+        args: the node's named arguments (:func:`qpass.graph.opargs.op_args`: ``site``, ``act``,
+            ``rac_ratio``, ``rac_mode``, ``rac_selection``, ``rac_channels`` as a tensor or None).
     Returns:
         ``x`` itself for ``act='none'``; else ``DQ(Q_A(x))`` (bf16) or, with RAC,
         ``float32(DQ(Q_A(x))) + R_hat`` (dense float32); shape of ``x``.
     """
-    act, ratio, mode, selection, channels, site = args[6], float(args[7]), args[8], args[9], args[10], args[5]
+    act, ratio, mode, selection = args["act"], float(args["rac_ratio"]), args["rac_mode"], args["rac_selection"]
+    channels, site = args["rac_channels"], args["site"]
     if act == "none":
         return x
     spec = NVFP4_ACT_PER_TOKEN if act == "nvfp4_per_token" else NVFP4_ACT
@@ -81,6 +84,12 @@ class SiteRecorder(torch.fx.Interpreter):
         self._linear, self._nvfp4, self._act_qdq = _ops()
         self._qdq_in: dict[torch.fx.Node, torch.Tensor] = {}
 
+    def _named(self, n: torch.fx.Node) -> dict[str, Any]:
+        a = op_args(n)
+        if isinstance(a["rac_channels"], torch.fx.Node):
+            a["rac_channels"] = self.env[a["rac_channels"]]
+        return a
+
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
@@ -99,7 +108,7 @@ class SiteRecorder(torch.fx.Interpreter):
             pre, eff = self._qdq_in.pop(xn), self.env[xn]
         else:
             pre = self.env[xn]
-            eff = effective_nvfp4_input(pre, n.args) if n.target == self._nvfp4 else pre
+            eff = effective_nvfp4_input(pre, self._named(n)) if n.target == self._nvfp4 else pre
         pre_c = pre.detach().clone()
         self.acts[sid] = (pre_c, pre_c if eff is pre else eff.detach().clone())
         return super().run_node(n)

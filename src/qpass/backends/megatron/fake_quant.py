@@ -39,7 +39,9 @@ import torch
 
 from qpass.errors import QuantizationError
 from qpass.quant.groups import allreduce_max, tensor_amax
-from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_quantize
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.quant.nvfp4 import NVFP4Tensor
+from qpass.quant.weights import quantize_site_weights
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +169,10 @@ def export_nvfp4_weight(layer: torch.nn.Module, *, gather: bool = True) -> NVFP4
     if st is None:
         raise QuantizationError(f"{type(layer).__name__} has no NVFP4 fake-quant (call enable_nvfp4_weight_fake_quant first)")
     w = layer.weight.detach()
-    q = nvfp4_quantize(w, group_amax_of(layer, w), name="weight", site=st.site)
+    q = quantize_site_weights(
+        NVFP4_WEIGHT, {st.site: w}, names={st.site: "weight"}, also_in_group=[o.weight for o in st.shared],
+        process_group=st.process_group if st.sync_amax else None,
+    )[st.site].tensor
     pg = st.process_group
     if not gather or pg is None:
         return q

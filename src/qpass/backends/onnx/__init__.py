@@ -1,7 +1,7 @@
-"""ONNX backend: ``onnx_lower`` emitters for every canonical spec and rollout export.
+"""ONNX backend: ``onnx`` spec-table emitters for every canonical spec and rollout export.
 
-Importing this package registers one :class:`~qpass.backends.onnx.table.OnnxLowering` per spec key
-in ``qpass.lowering.TABLES["onnx_lower"]``. Two flavours of graph:
+Importing this package registers the ``onnx`` entries (one per spec type, building an
+:class:`~qpass.backends.onnx.table.OnnxLowering` per spec) in :mod:`qpass.tables`. Two flavours of graph:
 
 * ``spec`` (opset 23, 24 with MXFP4): FLOAT4E2M1 / FLOAT8E4M3FN / FLOAT8E8M0 initializers and
   DequantizeLinear; validated with ``onnx.checker.check_model(full_check=True)`` and run by

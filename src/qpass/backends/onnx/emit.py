@@ -5,7 +5,7 @@ Two kinds of emitter, both flavour-aware (``spec`` / ``portable``, see :mod:`.bu
 * **weight decoders** ``(builder, q, name, dtype) -> value``: put the quantized bytes in
   initializers and decode them exactly as :mod:`qpass.quant` dequantizes;
 * **activation fake-quant** ``(builder, x, k, dtype, ...) -> value``: a dynamic quantize-dequantize
-  subgraph equal to ``qpass.lowering.reference_qdq`` bit for bit.
+  subgraph equal to ``qpass.tables.reference_qdq`` bit for bit.
 
 Arithmetic (every node is one IEEE float32 operation with round-to-nearest-even; ONNX has no FMA
 contraction between nodes):

@@ -93,33 +93,34 @@ class ExportReport:
 # ------------------------------------------------------------------------------------ site sources
 def sites_from_qgraph(rollout: Any) -> list[SiteLinear]:
     """Quantized sites of a rollout QGraph, read from its ``qpass::*_linear`` nodes and buffers."""
-    from qpass.graph.qgraph import quantized_linear_targets
+    from qpass.graph.opargs import op_args
+    from qpass.tables import entry
 
-    nv_op, fp8_op, mx_op = quantized_linear_targets()
     out: list[SiteLinear] = []
     for sid, rec in rollout.quant.items():
-        kind = rec.get("kind")
-        if kind not in KINDS or not rec.get("constants"):
+        kind = rec.kind
+        if kind not in KINDS or not rec.lowered:
             continue
-        target = {"nvfp4_linear": nv_op, "fp8_linear": fp8_op, "mxfp4_linear": mx_op}[kind]
+        target = entry("rollout_lower", rec.spec).op_overload()
         nodes = [n for n in rollout.nodes_of_site(sid) if n.target == target]
         if not nodes:
             raise QpassError(f"ONNX export: site {sid} is recorded as {kind} but the graph has no such node")
-        a = nodes[0].args
+        a = op_args(nodes[0])
         buf = lambda node: None if node is None else (rollout.attr(str(node.target)) if isinstance(node, torch.fx.Node) else node)  # noqa: E731
+        bias = _detach(buf(a["bias"]))
         if kind == "nvfp4_linear":
-            w = NVFP4Tensor.from_parts(buf(a[1]).detach(), buf(a[2]).detach(), buf(a[3]).detach())
-            rac = RACConfig(float(a[7]), a[8], a[9]) if float(a[7]) > 0 else None
-            ch = buf(a[10])
-            out.append(SiteLinear(sid, kind, w, _detach(buf(a[4])), a[6], rac, None if ch is None else ch.detach()))
+            w = NVFP4Tensor.from_parts(buf(a["w_codes"]).detach(), buf(a["w_scales"]).detach(), buf(a["w_s_dec"]).detach())
+            rac = RACConfig(float(a["rac_ratio"]), a["rac_mode"], a["rac_selection"]) if float(a["rac_ratio"]) > 0 else None
+            ch = buf(a["rac_channels"])
+            out.append(SiteLinear(sid, kind, w, bias, a["act"], rac, None if ch is None else ch.detach()))
         elif kind == "fp8_linear":
-            data, scale = buf(a[1]).detach(), buf(a[2]).detach()
-            w = FP8Tensor(data, scale, data.shape, torch.bfloat16, FP8Spec(role="weight", granularity=Granularity(a[6])))
-            out.append(SiteLinear(sid, kind, w, _detach(buf(a[3])), a[5]))
+            data, scale = buf(a["w_data"]).detach(), buf(a["w_scale"]).detach()
+            w = FP8Tensor(data, scale, data.shape, torch.bfloat16, rec.spec)
+            out.append(SiteLinear(sid, kind, w, bias, a["act_granularity"]))
         else:
-            codes, scales = buf(a[1]).detach(), buf(a[2]).detach()
+            codes, scales = buf(a["w_codes"]).detach(), buf(a["w_scales"]).detach()
             w = MXFP4Tensor(codes, scales, torch.Size((codes.shape[0], codes.shape[1] * 2)), torch.bfloat16)
-            out.append(SiteLinear(sid, kind, w, _detach(buf(a[3])), "none"))
+            out.append(SiteLinear(sid, kind, w, bias, "none"))
     return out
 
 

@@ -1,6 +1,8 @@
-"""``onnx_lower`` entries: one :class:`OnnxLowering` per canonical spec key (JAX-style rule table).
+"""``onnx`` spec-table entries: one :class:`OnnxLowering` per canonical spec key.
 
-Importing :mod:`qpass.backends.onnx` registers them in ``qpass.lowering.TABLES["onnx_lower"]``.
+Importing :mod:`qpass.backends.onnx` registers one entry per spec type in ``qpass.tables``
+(``entry("onnx", spec)`` returns a ``spec -> OnnxLowering`` builder; use :func:`onnx_lowering`) and
+claims every canonical spec, so the completeness test covers them.
 
 * weight specs: ``entry(builder, q, name, dtype=...) -> value`` decodes a quantized weight ``q``
   (the object ``TABLES["reference"][key]`` returns) stored as initializers;
@@ -18,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from qpass.formats.spec import ALL_SPECS, FP8Spec, MXFP4Spec, NVFP4Spec, QuantSpec
-from qpass.lowering import register
+from qpass.tables import entry, register
 
 from qpass.backends.onnx import emit
 from qpass.backends.onnx.builder import PORTABLE_OPSET, GraphBuilder
@@ -46,24 +48,44 @@ class OnnxLowering:
         return self.fn(b, *args, **kwargs)
 
 
-def _entry(spec: QuantSpec) -> OnnxLowering:
-    portable = PORTABLE_OPSET
-    if isinstance(spec, NVFP4Spec):
-        if spec.role == "weight":
-            return OnnxLowering(spec.key, "weight", {"spec": emit.OPSET_FP4, "portable": portable}, emit.nvfp4_weight)
-        fn = functools.partial(emit.nvfp4_activation, per_token=spec.global_scope == "per_token")
-        return OnnxLowering(spec.key, "activation", {"spec": emit.OPSET_FP4, "portable": portable}, fn)
-    if isinstance(spec, MXFP4Spec):
-        return OnnxLowering(spec.key, "weight", {"spec": emit.OPSET_E8M0, "portable": portable}, emit.mxfp4_weight)
-    assert isinstance(spec, FP8Spec)
-    # FP8 needs nothing newer than blocked DequantizeLinear (21); the spec flavour still says 23
-    # so one spec-flavour model never mixes opsets below the FP4 ones.
-    opset = {"spec": emit.OPSET_FP4, "portable": portable}
+@dataclasses.dataclass(frozen=True)
+class _OnnxRule:
+    """``onnx`` table entry of a spec type: ``build(spec) -> OnnxLowering``."""
+
+    build: Callable[[QuantSpec], OnnxLowering]
+
+    def __call__(self, spec: QuantSpec) -> OnnxLowering:
+        return self.build(spec)
+
+
+_FP4 = {"spec": emit.OPSET_FP4, "portable": PORTABLE_OPSET}
+# FP8 needs nothing newer than blocked DequantizeLinear (21); the spec flavour still says 23 so one
+# spec-flavour model never mixes opsets below the FP4 ones.
+_FP8 = {"spec": emit.OPSET_FP4, "portable": PORTABLE_OPSET}
+
+
+def _nvfp4(spec: NVFP4Spec) -> OnnxLowering:
     if spec.role == "weight":
-        return OnnxLowering(spec.key, "weight", opset, emit.fp8_weight)
-    return OnnxLowering(spec.key, "activation", opset, functools.partial(emit.fp8_activation, spec=spec))
+        return OnnxLowering(spec.key, "weight", _FP4, emit.nvfp4_weight)
+    return OnnxLowering(spec.key, "activation", _FP4,
+                        functools.partial(emit.nvfp4_activation, per_token=spec.global_scope == "per_token"))
 
 
-ONNX_LOWERINGS: dict[str, OnnxLowering] = {}
-for _spec in ALL_SPECS:
-    ONNX_LOWERINGS[_spec.key] = register("onnx_lower", _spec.key)(_entry(_spec))
+def _fp8(spec: FP8Spec) -> OnnxLowering:
+    if spec.role == "weight":
+        return OnnxLowering(spec.key, "weight", _FP8, emit.fp8_weight)
+    return OnnxLowering(spec.key, "activation", _FP8, functools.partial(emit.fp8_activation, spec=spec))
+
+
+register("onnx", NVFP4Spec, claim=True)(_OnnxRule(_nvfp4))
+register("onnx", MXFP4Spec, claim=True)(_OnnxRule(
+    lambda spec: OnnxLowering(spec.key, "weight", {"spec": emit.OPSET_E8M0, "portable": PORTABLE_OPSET}, emit.mxfp4_weight)))
+register("onnx", FP8Spec, claim=True)(_OnnxRule(_fp8))
+
+
+def onnx_lowering(spec: QuantSpec) -> OnnxLowering:
+    """The ONNX emitter of ``spec`` (from the ``onnx`` spec table)."""
+    return entry("onnx", spec)(spec)
+
+
+ONNX_LOWERINGS: dict[str, OnnxLowering] = {s.key: onnx_lowering(s) for s in ALL_SPECS}

@@ -49,18 +49,23 @@ def sglang_available() -> bool:
 
 
 def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object | None, site: str) -> torch.Tensor:
-    """``DQ(Q_A(x))`` in bf16 with the global amax all-reduced (MAX) over ``process_group``.
+    """``DQ(Q_A(x))`` rounded to bf16 (the W4A4 GEMM operand) with the global amax all-reduced (MAX)
+    over ``process_group``.
 
     For a K-sharded activation this equals the slice of the unsharded fake-quant, so
     ``x_hat @ W_hat^T`` (the W4A16 path of ``nvfp4_linear``) on each rank, summed by the row-parallel
-    all-reduce, is the W4A4 product up to float32 summation order. Exact for bf16 activations (the
-    dtype SGLang runs NVFP4 models in); for fp16 ``x_hat`` is rounded once more to fp16.
+    all-reduce, is the W4A4 product up to float32 summation order.
+
+    Returns:
+        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly (casting them
+        to fp16 would overflow near the fp16 max: 65504 rounds to 65536 in bf16, then to inf).
     """
     from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
 
     x2 = x.reshape(-1, x.shape[-1])
     q = nvfp4_quantize(x2, spec=nvfp4_act_spec(act == "nvfp4_per_token"), process_group=process_group, name="activation", site=site)
-    return nvfp4_dequantize(q, torch.bfloat16).reshape(x.shape).to(x.dtype)
+    x_hat = nvfp4_dequantize(q, torch.bfloat16).reshape(x.shape)
+    return x_hat if x.dtype == torch.bfloat16 else x_hat.float()
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,7 +126,7 @@ def plugin_classes() -> tuple[type, type]:
             begin_loading(layer)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            act = self.act
+            act, out_dtype = self.act, x.dtype
             if act != "none" and getattr(layer, "qpass_k_sharded", False):
                 x = activation_for_row_parallel(x, act, _tp_group(layer), self.prefix)
                 act = "none"
@@ -129,7 +134,7 @@ def plugin_classes() -> tuple[type, type]:
             return torch.ops.qpass.nvfp4_linear(
                 x, layer.weight, layer.weight_scale, layer.qpass_s_dec, bias, self.prefix, act,
                 float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked", rac.selection if rac else "batch", None,
-            )
+            ).to(out_dtype)
 
     class QpassNvfp4Config(QuantizationConfig):
         """``--quantization qpass_nvfp4`` (or ``quant_method: qpass_nvfp4`` in a checkpoint)."""

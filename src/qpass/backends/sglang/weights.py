@@ -27,8 +27,10 @@ import torch
 from qpass.backends.sglang.contract import check_site_tensors
 from qpass.errors import QpassError
 from qpass.graph.sites import DEFAULT_EXCLUDE, _group_of, _matches
-from qpass.quant.groups import group_amax
-from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_quantize
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.quant.nvfp4 import NVFP4Tensor
+from qpass.quant.weights import quantize_site_weights
+from qpass.tables import entry
 
 SGLANG_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 
@@ -89,9 +91,12 @@ def _rollout_tensor_dict(source: Any) -> dict[str, torch.Tensor]:
             return load_file(str(f))
         except Exception as e:  # noqa: BLE001 - safetensors raises bare errors (truncated, bad header) without the path
             raise QpassError(f"{f}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-    from qpass.apps.artifacts import rollout_tensors
-
-    return rollout_tensors(source)
+    out: dict[str, torch.Tensor] = {}
+    for sid, rec in source.quant.items():  # a rollout QGraph: its constants under checkpoint names
+        if rec.lowered:
+            consts = {k: source.gm.get_buffer(attr).detach().cpu() for k, attr in rec.constants.items()}
+            out.update(entry("export", rec.spec).tensors(sid, consts))
+    return out
 
 
 def check_fused_global_scales(named: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -126,8 +131,8 @@ def quantize_state_dict(
     """Trainer side: HF-named learner weights -> checkpoint-format named tensors for SGLang.
 
     Every 2-D ``<site>.weight`` whose site matches ``targets`` and not ``exclude`` and whose K is a
-    multiple of 16 is quantized with :func:`qpass.nvfp4_quantize` (fresh amax, SPEC rule 2); fused
-    groups (q/k/v, gate/up) share one amax; other tensors pass through unchanged.
+    multiple of 16 is quantized with :func:`qpass.quant.weights.quantize_site_weights` (fresh amax,
+    SPEC rule 2); fused groups (q/k/v, gate/up) share one amax; other tensors pass through unchanged.
 
     Args:
         state: ``{HF name: tensor}`` (full, unsharded weights).
@@ -149,20 +154,17 @@ def quantize_state_dict(
         else:
             out[name] = t
     for members in groups.values():
-        amax = group_amax(list(members.values()), process_group=process_group)
-        for site, w in members.items():
-            q = nvfp4_quantize(w, amax, name=f"{site}.weight", site=site)
-            out.update(checkpoint_tensors(site, q))
+        quantized = quantize_site_weights(NVFP4_WEIGHT, members, names={s: f"{s}.weight" for s in members},
+                                          process_group=process_group)
+        for site, sw in quantized.items():
+            out.update(checkpoint_tensors(site, sw.tensor))
     return sorted(out.items())
 
 
 def checkpoint_tensors(site: str, q: NVFP4Tensor) -> dict[str, torch.Tensor]:
-    """The ``modelopt_fp4`` tensors of one quantized weight."""
-    return {
-        f"{site}.weight": q.codes.contiguous(),
-        f"{site}.weight_scale": q.scales.contiguous(),
-        f"{site}.weight_scale_2": q.s_dec.reshape(()).float(),
-    }
+    """The ``modelopt_fp4`` tensors SGLang loads for one quantized weight (``export`` table entry)."""
+    consts = {"codes": q.codes, "scales": q.scales, "s_dec": q.s_dec.reshape(()).float()}
+    return entry("export", q.spec).tensors(site, consts)
 
 
 def tp_shard(name: str, tensor: torch.Tensor, *, tp_rank: int, tp_size: int, parallel: str) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""The Triton backend's tables: quantize kernel per format spec, and the ``qpass.ops`` kernels.
+"""The Triton backend's spec-table entries (registered when this module is imported).
 
-``TRITON_KERNELS`` maps every spec key of ``qpass.formats.spec.ALL_SPECS`` (``nvfp4.weight.per_tensor``,
-``fp8_e4m3.activation.block_1x128``, ...) to the Triton quantizer for that spec; each entry takes
-the tensor (plus the reference quantizer's keyword options) and returns the same tensor type as the
-reference quantizer, byte for byte.
+* ``kernels``: ``(qpass::nvfp4_linear, NVFP4Spec, "triton")`` and ``(qpass::fp8_linear, FP8Spec,
+  "triton")``. There is no Triton ``qpass::mxfp4_linear``: a recipe that lowers to it with the
+  Triton backend is rejected at validation (:func:`qpass.tables.check_kernels`).
+* ``TRITON_KERNELS``: canonical spec key -> the Triton quantizer for that spec (same tensor type as
+  the ``reference`` table entry, byte for byte); built from :data:`QUANTIZERS` (one per spec type).
 """
 
 from __future__ import annotations
@@ -21,20 +22,17 @@ from qpass.backends.triton.linear import fp8_linear_triton, w4a4_linear_triton, 
 from qpass.backends.triton.quantize import fp8_quantize_triton, mxfp4_quantize_triton, nvfp4_quantize_triton
 
 
-def _quantizer_for(spec) -> Callable[..., object]:
-    if isinstance(spec, NVFP4Spec):
-        return functools.partial(nvfp4_quantize_triton, per_token=spec.global_scope == "per_token", spec=spec)
-    if isinstance(spec, MXFP4Spec):
-        return mxfp4_quantize_triton
-    if isinstance(spec, FP8Spec):
-        return functools.partial(fp8_quantize_triton, spec=spec)
-    raise TypeError(f"no Triton quantizer for spec {spec!r}")
+# spec type -> (spec -> quantizer of that spec)
+QUANTIZERS: dict[type, Callable[[object], Callable[..., object]]] = {
+    NVFP4Spec: lambda spec: functools.partial(nvfp4_quantize_triton, per_token=spec.global_scope == "per_token", spec=spec),
+    MXFP4Spec: lambda spec: mxfp4_quantize_triton,
+    FP8Spec: lambda spec: functools.partial(fp8_quantize_triton, spec=spec),
+}
+
+TRITON_KERNELS: dict[str, Callable[..., object]] = {spec.key: QUANTIZERS[type(spec)](spec) for spec in ALL_SPECS}
 
 
-TRITON_KERNELS: dict[str, Callable[..., object]] = {spec.key: _quantizer_for(spec) for spec in ALL_SPECS}
-
-
-@register_kernel("nvfp4_linear", "triton")
+@register_kernel("qpass::nvfp4_linear", "triton", NVFP4Spec)
 def nvfp4_linear_triton(
     x: torch.Tensor,
     w_codes: torch.Tensor,
@@ -58,7 +56,7 @@ def nvfp4_linear_triton(
     )
 
 
-@register_kernel("fp8_linear", "triton")
+@register_kernel("qpass::fp8_linear", "triton", FP8Spec)
 def fp8_linear_triton_op(
     x: torch.Tensor,
     w_data: torch.Tensor,

@@ -1,0 +1,174 @@
+"""Generic linear lowering (rollout): ``aten.linear(x, w)`` -> the rollout op of the weight spec.
+
+One pass body for every format; what it emits comes from the spec tables (:mod:`qpass.tables`):
+the ``rollout_lower`` entry of the weight spec gives the op, its constants and argument builder,
+and :func:`qpass.quant.weights.quantize_site_weights` the constants (one shared amax per fused group
+for specs with a global scale, SPEC §3 rule 1). The recipe passes are thin configurations:
+
+* ``w4a4_lower`` (``act``: nvfp4 | nvfp4_per_token | none) and ``w4a16_lower`` (``act: none``)::
+
+      y = aten.linear(x, get_attr[model.layers.0.mlp.down_proj.weight])
+   -> y = qpass.nvfp4_linear(x, codes, scales, s_dec, None, "model.layers.0.mlp.down_proj",
+                             act="nvfp4", rac_ratio=0.0, rac_mode="masked", rac_selection="batch", None)
+
+* ``fp8_lower`` (``act_granularity``, ``weight_granularity``): ``qpass.fp8_linear(x, w_fp8, w_scale,
+  bias, site, act_granularity, w_granularity)`` (DeepSeek-style blocks by default).
+* ``mxfp4_lower``: ``qpass.mxfp4_linear(x, codes, e8m0_scales, bias, site)`` (weight-only, K % 32).
+
+The BF16 weight is dropped from the rollout graph; each site gets a :class:`qpass.graph.records.SiteQuant`
+record. ``details["flushed_blocks"]`` counts, per site, the non-zero weight blocks whose block scale
+underflowed to 0 (they decode to zero under the SPEC §3 keep-zero rule).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from qpass import ops  # noqa: F401 - registers the rollout ops and their table entries
+from qpass.formats.spec import NVFP4_WEIGHT, FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec
+from qpass.graph.opargs import args_in_schema_order
+from qpass.graph.qgraph import QGraph
+from qpass.graph.records import SiteQuant
+from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.quant.nvfp4 import nvfp4_act_spec
+from qpass.quant.weights import quantize_site_weights
+from qpass.tables import entry
+
+from qpass.passes.common import aten_linear_nodes, bias_arg, copy_meta, grouped, selected
+
+
+def constant_name(site_id: str, name: str) -> str:
+    """Buffer name of a site's constant ``name`` (``qpass_w__model_layers_0_..._q_proj__codes``)."""
+    return re.sub(r"[^0-9a-zA-Z_]", "_", f"qpass_w__{site_id}") + f"__{name}"
+
+
+class LinearLower(Pass):
+    """Replace targeted linears by the rollout op of :meth:`specs` (subclasses configure it)."""
+
+    sides = ("rollout",)
+    requires = ("sites_stamped",)
+
+    def specs(self) -> tuple[QuantSpec, QuantSpec | None]:  # pragma: no cover - abstract
+        """``(weight spec, activation spec or None)`` from the options."""
+        raise NotImplementedError
+
+    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
+        res = PassResult(self.name, qg.side)
+        wspec, aspec = self.specs()
+        lo = entry("rollout_lower", wspec)
+        op = lo.op_overload()
+        sites, res.skipped = selected(qg, self.options)
+        ok = []
+        for s in sites:
+            if s.in_features % lo.k_multiple:
+                res.skipped.append((s.id, f"in_features={s.in_features} is not a multiple of {lo.k_multiple}"))
+            else:
+                ok.append(s)
+        groups = grouped(ok) if wspec.has_global_scale else {s.id: [s] for s in ok}
+        g = qg.gm.graph
+        flushed: dict[str, int] = {}
+        for gid, members in groups.items():
+            nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
+            for s in members:
+                if not nodes[s.id]:
+                    res.skipped.append((s.id, "no unrewritten aten.linear node (already lowered?)"))
+            members = [s for s in members if nodes[s.id]]
+            if not members:
+                continue
+            weights = {s.id: qg.attr(str(nodes[s.id][0].args[1].target)).detach() for s in members}
+            quantized = quantize_site_weights(wspec, weights, names={s.id: s.weight for s in members})
+            for s in members:
+                sw = quantized[s.id]
+                first = nodes[s.id][0]
+                names, arg_nodes = {}, {}
+                for cname, value in sw.constants.items():
+                    attr = constant_name(s.id, cname)
+                    if cname in lo.constant_args:
+                        arg_nodes[lo.constant_args[cname]] = qg.add_constant(attr, value, before=first)
+                    else:  # kept (exported), never read by the op
+                        qg.gm.register_buffer(attr, value)
+                    names[cname] = attr
+                fixed = {**lo.defaults, **lo.weight_args(wspec), **lo.act_setting(aspec, s.id), **arg_nodes, "site": s.id}
+                for lin in nodes[s.id]:
+                    args = args_in_schema_order(op, {"x": lin.args[0], "bias": bias_arg(lin), **fixed})
+                    with g.inserting_before(lin):
+                        new = g.call_function(op, args)
+                    copy_meta(lin, new)
+                    lin.replace_all_uses_with(new)
+                    g.erase_node(lin)
+                qg.quant[s.id] = SiteQuant(
+                    site=s.id, weight=s.weight, group=gid, members=tuple(m.id for m in members), spec=wspec,
+                    act_spec=aspec, op=lo.op, constants=names, flushed_blocks=sw.flushed_blocks,
+                )
+                if sw.flushed_blocks:
+                    flushed[s.id] = sw.flushed_blocks
+                res.sites.append(s.id)
+        res.matches = len(res.sites)
+        res.changed = res.matches > 0
+        res.details["removed_params"] = len(qg.prune())
+        res.details["flushed_blocks"] = flushed
+        return res
+
+
+class NVFP4LowerOptions(PassOptions):
+    act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
+
+
+class W4A16LowerOptions(NVFP4LowerOptions):
+    act: Literal["nvfp4", "nvfp4_per_token", "none"] = "none"
+
+
+class _NVFP4Lower(LinearLower):
+    ensures = ("nvfp4_lowered",)
+
+    def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
+        act = self.options.act
+        return NVFP4_WEIGHT, (None if act == "none" else nvfp4_act_spec(act == "nvfp4_per_token"))
+
+
+@register_pass
+class W4A4Lower(_NVFP4Lower):
+    """NVFP4 weights + dynamically quantized NVFP4 activations (act: nvfp4 | nvfp4_per_token | none)."""
+
+    name = "w4a4_lower"
+    Options = NVFP4LowerOptions
+
+
+@register_pass
+class W4A16Lower(_NVFP4Lower):
+    """NVFP4 weights, BF16 activations (``w4a4_lower`` with ``act: none``)."""
+
+    name = "w4a16_lower"
+    Options = W4A16LowerOptions
+
+
+class FP8LowerOptions(PassOptions):
+    act_granularity: Literal["block_1x128", "per_token", "per_tensor"] = "block_1x128"
+    weight_granularity: Literal["block_128x128", "per_tensor"] = "block_128x128"
+
+
+@register_pass
+class FP8Lower(LinearLower):
+    """Replace targeted linears by ``qpass.fp8_linear`` (W8A8 FP8 E4M3)."""
+
+    name = "fp8_lower"
+    Options = FP8LowerOptions
+    ensures = ("fp8_lowered",)
+
+    def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
+        o = self.options
+        return (FP8Spec(role="weight", granularity=Granularity(o.weight_granularity)),
+                FP8Spec(role="activation", granularity=Granularity(o.act_granularity)))
+
+
+@register_pass
+class MXFP4Lower(LinearLower):
+    """Replace targeted linears by ``qpass.mxfp4_linear`` (W4A16 MXFP4)."""
+
+    name = "mxfp4_lower"
+    Options = PassOptions
+    ensures = ("mxfp4_lowered",)
+
+    def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
+        return MXFP4_WEIGHT, None

@@ -1,0 +1,114 @@
+"""Numerics defect classes of issue 10, each with a test that fails on the code before the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpass.errors import PassError, QuantizationError
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.recipe import parse_recipe
+
+from .conftest import tiny_llama
+
+FLUSH_SITE = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def fp32_pipeline():
+    """A float32 tiny Llama whose q_proj (layer 0) has one non-zero block that flushes to zero."""
+    from qpass.graph.model import LoadedModel
+    from qpass.pipeline import Pipeline
+
+    m = tiny_llama(seed=1, dtype=torch.float32)
+    with torch.no_grad():
+        w = m.model.layers[0].self_attn.q_proj.weight
+        w[0, :16] = 1e-7  # block amax 1e-7 against a group amax of 1000: the E4M3 block scale is 0
+        w[1, 0] = 1000.0
+    return Pipeline.prepare(loaded=LoadedModel(model=m, tokenizer=None, name="tiny-fp32", source="random"),
+                            batch_size=2, max_len=24)
+
+
+# -------------------------------------------------------------------------------- parity dtypes
+def test_parity_checker_compares_what_each_side_multiplies(fp32_pipeline, tiny_pipeline):
+    """fp32 model: the learner multiplies fp32-decoded weights, the rollout op bf16-decoded ones."""
+    from qpass.parity.checker import check_weights_bitexact
+
+    learner, rollout = fp32_pipeline.build(parse_recipe("name: q\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a16_lower\n"))
+    rep = check_weights_bitexact(learner, rollout, identify_divergence=False)
+    assert all(d.ok for g in rep.groups for d in g.diffs)  # the stored bytes agree ...
+    assert not rep.ok and not any(g.dequant_equal for g in rep.groups)  # ... the multiplied operands do not
+    notes = [n for g in rep.groups for n in g.operand_notes]
+    assert notes and "learner multiplies float32 weights, the rollout op bfloat16 weights" in notes[0]
+    assert any("operand" in f for f in rep.failures())
+    # bf16 model: both sides multiply the same bf16 values
+    lb, rb = tiny_pipeline.build(parse_recipe("name: q\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a16_lower\n"))
+    assert check_weights_bitexact(lb, rb).ok
+
+
+# -------------------------------------------------------------------------------- fp16 overflow
+def test_fp16_activation_near_fp16_max_stays_finite_in_the_row_parallel_w4a4_operand():
+    from qpass.backends.sglang.plugin import activation_for_row_parallel
+    from qpass.formats.spec import NVFP4_ACT
+    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+
+    x = torch.full((2, 32), 65504.0, dtype=torch.float16)
+    x[:, 3] = -60000.0
+    got = activation_for_row_parallel(x, "nvfp4", None, "s")
+    assert bool(torch.isfinite(got).all())  # bf16 rounds 65504 up to 65536: an fp16 cast made it inf
+    assert torch.equal(got, nvfp4_dequantize(nvfp4_quantize(x, spec=NVFP4_ACT), torch.bfloat16).float())
+    xb = x.bfloat16()  # bf16 activations keep the bf16 operand
+    assert activation_for_row_parallel(xb, "nvfp4", None, "s").dtype == torch.bfloat16
+
+
+# -------------------------------------------------------------------------------- RAC ratio
+def test_rac_ratio_with_zero_channels_on_every_site_is_an_error(tiny_pipeline):
+    recipe = parse_recipe(
+        "name: r\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    ratio: 0.001\n"
+    )
+    with pytest.raises(PassError, match=r"ratio 0\.001 selects 0 channels on every targeted site .*mlp\.(gate|up)_proj"):
+        tiny_pipeline.build(recipe)
+    _, rollout = tiny_pipeline.build(parse_recipe(
+        "name: r\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    ratio: 0.5\n"))
+    assert sum(r.rac is not None for r in rollout.quant.values()) == 4
+
+
+# -------------------------------------------------------------------------------- flushed blocks
+def test_flushed_blocks_are_counted_per_site(fp32_pipeline):
+    from qpass.quant.nvfp4 import flushed_blocks, nvfp4_dequantize, nvfp4_quantize
+    from qpass.quant.weights import quantize_site_weights
+
+    w = torch.zeros(2, 32)
+    w[0, :16] = 1e-7
+    w[1, 0] = 1000.0
+    q = nvfp4_quantize(w)
+    assert flushed_blocks(q) == 1 and q.flushed_blocks() == 1  # the all-zero blocks are not counted
+    assert torch.equal(nvfp4_dequantize(q, torch.float32)[0, :16], torch.zeros(16))  # SPEC §3 semantics kept
+    assert quantize_site_weights(NVFP4_WEIGHT, {"a": w})["a"].flushed_blocks == 1
+    _, rollout = fp32_pipeline.build(parse_recipe("name: w\nrollout:\n  - pass: w4a16_lower\n"))
+    res = rollout.history[-1]
+    assert res.details["flushed_blocks"] == {FLUSH_SITE: 1}
+    assert rollout.quant[FLUSH_SITE].flushed_blocks == 1
+    assert rollout.quant[FLUSH_SITE].describe()["flushed_blocks"] == 1
+
+
+# -------------------------------------------------------------------------------- fused groups
+def test_error_in_one_fused_member_names_that_member():
+    from qpass.quant.weights import quantize_site_weights
+
+    good = torch.randn(8, 32)
+    bad = torch.randn(8, 32)
+    bad[3, 5] = float("inf")
+    with pytest.raises(QuantizationError, match=r"at site m\.k_proj") as ei:
+        quantize_site_weights(NVFP4_WEIGHT, {"m.q_proj": good, "m.k_proj": bad})
+    assert "q_proj" not in str(ei.value)
+
+
+def test_learner_qdq_with_a_poisoned_group_amax_blames_another_member():
+    from qpass.quant import qdq  # noqa: F401
+
+    good, bad = torch.randn(8, 32), torch.randn(8, 32)
+    bad[0, 0] = float("nan")
+    amax = torch.ops.qpass.group_amax([good, bad])
+    with pytest.raises(QuantizationError, match="another member of its quantization group"):
+        torch.ops.qpass.nvfp4_qdq(good, amax, "m.q_proj")
