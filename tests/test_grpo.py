@@ -378,7 +378,7 @@ def test_tiny_sync_corruption_is_caught(tiny_pipeline, tmp_path, monkeypatch):
         sid, rec = next((s, r) for s, r in rollout.quant.items() if r.kind == "nvfp4_linear")
         buf = rollout.gm.get_buffer(rec.constants["codes"])
         buf[0, 0] ^= 0x11  # flip one element code in each nibble: the rollout no longer holds the learner's bytes
-        site["group"] = rec["group"]
+        site["group"] = rec.group
         return rep
 
     monkeypatch.setattr(bt, "sync_weights", corrupting_sync)
@@ -410,11 +410,11 @@ def test_tiny_shadow_weights_modes(tiny_pipeline):
     lp = dict(tr.learner_qg.gm.named_parameters())
     sid, rec = next((s, r) for s, r in tr.learner_qg.quant.items() if r.weight_fake_quant)
     sh.sync(tr.learner_qg, weights="master")
-    assert torch.equal(sh.qg.attr(rec["weight"]), lp[rec["weight"]])
+    assert torch.equal(sh.qg.attr(rec.weight), lp[rec.weight])
     sh.sync(tr.learner_qg, weights="learner")
     amax = torch.ops.qpass.group_amax([lp[tr.learner_qg.quant[m].weight] for m in rec.members])
-    w_hat = torch.ops.qpass.nvfp4_qdq(lp[rec["weight"]].detach(), amax, sid)
-    assert torch.equal(sh.qg.attr(rec["weight"]), w_hat) and not torch.equal(w_hat, lp[rec["weight"]])
+    w_hat = torch.ops.qpass.nvfp4_qdq(lp[rec.weight].detach(), amax, sid)
+    assert torch.equal(sh.qg.attr(rec.weight), w_hat) and not torch.equal(w_hat, lp[rec.weight])
     with pytest.raises(ValueError, match="weights must be"):
         sh.sync(tr.learner_qg, weights="fp32")
 

@@ -71,6 +71,10 @@ def test_rac_ratio_with_zero_channels_on_every_site_is_an_error(tiny_pipeline):
     _, rollout = tiny_pipeline.build(parse_recipe(
         "name: r\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    ratio: 0.5\n"))
     assert sum(r.rac is not None for r in rollout.quant.values()) == 4
+    _, rollout = tiny_pipeline.build(parse_recipe(  # explicit opt-in keeps the zero-channel configuration
+        "name: r\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n    ratio: 0.001\n"
+        "    allow_zero_channels: true\n"))
+    assert sum(r.rac is not None for r in rollout.quant.values()) == 4
 
 
 # -------------------------------------------------------------------------------- flushed blocks

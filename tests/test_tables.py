@@ -142,3 +142,14 @@ def test_mxfp4_lowered_rollout_matches_reference(tiny_pipeline):
     codes, scales = (rollout.gm.get_buffer(str(a[k].target)) for k in ("w_codes", "w_scales"))
     out = torch.ops.qpass.mxfp4_linear(x, codes, scales, None, a["site"])
     assert torch.equal(out, _mxfp4_linear_ref(x, codes, scales, None, a["site"]))
+
+
+def test_triton_quantizers_live_in_the_one_kernel_table():
+    pytest.importorskip("triton")
+    import qpass.backends.triton as tr
+    from qpass.tables import QUANTIZE_OP
+
+    assert set(tr.TRITON_KERNELS) == {s.key for s in ALL_SPECS}
+    tables = copy.copy(TABLES)
+    tables["kernels"] = {k: v for k, v in TABLES["kernels"].items() if k != (QUANTIZE_OP, MXFP4Spec, "triton")}
+    assert missing_entries(tables)["kernels"] == ["quantize/mxfp4.weight/triton"]

@@ -34,7 +34,7 @@ from qpass.quant.fp8 import FP8Tensor
 from qpass.quant.linear import fp8_linear_reference, w4a4_linear_reference, w4a16_linear_reference
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec, nvfp4_dequantize
 from qpass.quant.rac import RACConfig
-from qpass.tables import TABLES, KernelMissingError, kernel, register
+from qpass.tables import TABLES, kernel, register
 
 ACT_MODES = ("none", "nvfp4", "nvfp4_per_token")
 # The rollout NVFP4/MXFP4 ops multiply weights decoded to this dtype (SPEC §3 dequant: bf16_rne),

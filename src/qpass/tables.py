@@ -16,7 +16,8 @@ Tables (the API other modules use; keep it this small):
 * ``rollout_lower``: :class:`qpass.ops.RolloutLowering` for weight specs (op, weight constants,
   op-argument builder) and :class:`ActArg` for activation specs (the op argument value).
 * ``kernels``: ``fn(*op_args)`` keyed by ``(op, spec type, backend)``; the ``reference`` backend
-  lives in :mod:`qpass.ops`, other backends register when their module is imported.
+  lives in :mod:`qpass.ops`, other backends register when their module is imported. Op
+  :data:`QUANTIZE_OP` holds a backend's quantizers (``fn(spec, x, ...)``, byte-identical to ``reference``).
 * ``onnx``: the ONNX emitter per spec type (registered by ``qpass.backends.onnx``).
 * ``export``: :class:`qpass.quant.checkpoint.ExportFormat` (checkpoint tensor names of a quantized
   weight's constants; NVFP4 weights are claimed, i.e. checked for completeness).
@@ -56,6 +57,8 @@ CLAIMS: dict[str, set[str]] = {
 }
 # backend -> {(op, spec key)} it claims to implement; ``reference`` claims every weight lowering.
 KERNEL_CLAIMS: dict[str, set[tuple[str, str]]] = {"reference": set()}
+
+QUANTIZE_OP = "quantize"  # ``kernels`` entries ``fn(spec, x, ...)``: a backend's quantizer per spec type
 
 _CORE_MODULES = ("qpass.quant.nvfp4", "qpass.quant.mxfp4", "qpass.quant.fp8", "qpass.quant.qdq",
                  "qpass.quant.checkpoint", "qpass.ops")
@@ -113,8 +116,9 @@ def register(table: str, spec_type: type, *, op: str | None = None, backend: str
         if table == "kernels":
             TABLES[table][(op, spec_type, backend)] = obj
             KERNEL_CLAIMS.setdefault(backend, set())
-            if claim:
-                KERNEL_CLAIMS[backend] |= {(op, s.key) for s in ALL_SPECS if isinstance(s, spec_type) and s.role == "weight"}
+            if claim:  # linear ops are keyed by their weight spec; quantizers cover every spec
+                KERNEL_CLAIMS[backend] |= {(op, s.key) for s in ALL_SPECS
+                                           if isinstance(s, spec_type) and (op == QUANTIZE_OP or s.role == "weight")}
         else:
             TABLES[table][spec_type] = obj
             if claim:  # ``export``: weights only (activations are dynamic, never stored)
@@ -124,12 +128,19 @@ def register(table: str, spec_type: type, *, op: str | None = None, backend: str
     return deco
 
 
+_LOADED = False
+
+
 def load_core() -> None:
-    """Import the core modules that register table entries (idempotent)."""
+    """Import the core modules that register table entries (idempotent; never at import time)."""
+    global _LOADED
+    if _LOADED:
+        return
     import importlib
 
     for m in _CORE_MODULES:
         importlib.import_module(m)
+    _LOADED = True
 
 
 def entry(table: str, spec: QuantSpec) -> Any:
@@ -138,8 +149,7 @@ def entry(table: str, spec: QuantSpec) -> Any:
     Raises:
         KeyError: no entry; names the table and the spec key.
     """
-    if not TABLES["reference"]:
-        load_core()
+    load_core()
     try:
         return TABLES[table][type(spec)]
     except KeyError:
@@ -152,8 +162,7 @@ def kernel(op: str, spec: QuantSpec, backend: str) -> Callable[..., torch.Tensor
     Raises:
         KernelMissingError: names op, spec and backend and lists the backends that have it.
     """
-    if not TABLES["reference"]:
-        load_core()
+    load_core()
     fn = TABLES["kernels"].get((op, type(spec), backend))
     if fn is None:
         raise KernelMissingError(
@@ -212,7 +221,7 @@ def emitted_ops(tables: dict[str, dict[Any, Any]] | None = None) -> set[str]:
     load_core()
     t = TABLES if tables is None else tables
     ops = {op for e in t["learner_qdq"].values() for op in e.ops.values()} | {e.op for e in t["rollout_lower"].values()}
-    return ops | {op for (op, _, _) in t["kernels"]}
+    return ops | {op for (op, _, _) in t["kernels"] if op != QUANTIZE_OP}
 
 
 def unknown_ops(known: Iterable[str], tables: dict[str, dict[Any, Any]] | None = None) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -54,29 +54,3 @@ def graph_order(qg: QGraph) -> dict[torch.fx.Node, int]:
 def finish(qg: QGraph) -> None:
     qg.gm.graph.lint()
     qg.gm.recompile()
-
-
-def replace_linear(
-    qg: QGraph, site: Site, nodes: list[torch.fx.Node], op: object, constants: dict[str, torch.Tensor],
-    make_args: "Callable[[torch.fx.Node, list[torch.fx.Node]], tuple]",
-) -> dict[str, str]:
-    """Register ``constants`` as graph buffers and replace each linear node by ``op(*make_args(node, const_nodes))``.
-
-    Returns ``{constant name: buffer attribute}`` for the quantization record.
-    """
-    import re
-
-    g = qg.gm.graph
-    base = re.sub(r"[^0-9a-zA-Z_]", "_", f"qpass_{op.__name__.split('.')[0]}__{site.id}")
-    const_nodes, names = [], {}
-    for name, value in constants.items():
-        node = qg.add_constant(f"{base}__{name}", value, before=nodes[0])
-        const_nodes.append(node)
-        names[name] = str(node.target)
-    for lin in nodes:
-        with g.inserting_before(lin):
-            new = g.call_function(op, make_args(lin, const_nodes))
-        copy_meta(lin, new)
-        lin.replace_all_uses_with(new)
-        g.erase_node(lin)
-    return names

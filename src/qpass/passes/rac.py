@@ -36,6 +36,9 @@ class RACOptions(PassOptions):
     ratio: float = pydantic.Field(0.5, ge=0.0, le=1.0)
     mode: Literal["masked", "gathered"] = "masked"
     selection: Literal["batch", "token", "static"] = "batch"
+    # a ratio that selects 0 channels (floor(ratio * K) == 0) on every targeted site is an error
+    # unless this is set (the study's zero-channel invariant: such RAC must equal plain W4A4)
+    allow_zero_channels: bool = False
 
 
 def static_channels(x: torch.Tensor, per_token: bool, ratio: float) -> torch.Tensor:
@@ -69,7 +72,7 @@ class ResidualCompensation(Pass):
                 res.skipped.append((s.id, "not lowered to qpass.nvfp4_linear"))
             elif any(op_args(n)["act"] == "none" for n in nodes):
                 res.skipped.append((s.id, "W4A16 site: its activations are not quantized, nothing to compensate"))
-            elif rac_num_channels(s.in_features, o.ratio) == 0:
+            elif rac_num_channels(s.in_features, o.ratio) == 0 and not o.allow_zero_channels:
                 zero.append(s.id)
                 res.skipped.append((s.id, f"ratio {o.ratio} of in_features={s.in_features} selects 0 channels"))
             else:
@@ -77,7 +80,8 @@ class ResidualCompensation(Pass):
         if zero and not todo:
             raise PassError(
                 f"residual_compensation: ratio {o.ratio} selects 0 channels on every targeted site "
-                f"({len(zero)}: {zero[:4]}{' ...' if len(zero) > 4 else ''}); use a ratio >= 1/in_features or drop the pass"
+                f"({len(zero)}: {zero[:4]}{' ...' if len(zero) > 4 else ''}); use a ratio >= 1/in_features, drop the pass, "
+                "or set allow_zero_channels: true"
             )
         calib = {}
         if o.selection == "static" and todo:

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from qpass.formats.spec import FP8Spec, Granularity
 from qpass.graph.qgraph import QGraph
 from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_quantize
 

@@ -214,7 +214,7 @@ def build_kernel_control(base_step: QGraph, layers: int | None) -> QGraph:
 def build_rac(w4a4: QGraph, ratio: float, mode: str, selection: str, targets: list[str]) -> QGraph:
     """The W4A4 rollout plus ``residual_compensation`` (clone of an already lowered graph)."""
     entry = {"pass": "residual_compensation", "targets": targets, "ratio": float(ratio), "mode": mode,
-             "selection": selection}
+             "selection": selection, "allow_zero_channels": True}  # the zero-channel invariant configs
     qg = w4a4.clone("rollout", share_params=True)
     PassManager(_passes("rollout", [entry]), side="rollout").run(qg, PassContext(debug=False))
     return qg

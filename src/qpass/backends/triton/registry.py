@@ -3,8 +3,9 @@
 * ``kernels``: ``(qpass::nvfp4_linear, NVFP4Spec, "triton")`` and ``(qpass::fp8_linear, FP8Spec,
   "triton")``. There is no Triton ``qpass::mxfp4_linear``: a recipe that lowers to it with the
   Triton backend is rejected at validation (:func:`qpass.tables.check_kernels`).
-* ``TRITON_KERNELS``: canonical spec key -> the Triton quantizer for that spec (same tensor type as
-  the ``reference`` table entry, byte for byte); built from :data:`QUANTIZERS` (one per spec type).
+* ``kernels`` op ``quantize`` (:data:`qpass.tables.QUANTIZE_OP`), one per spec type:
+  ``fn(spec, x, **reference options)`` returns the same tensor type as the ``reference`` table entry,
+  byte for byte. ``TRITON_KERNELS`` (spec key -> quantizer of that spec) is a view of these entries.
 """
 
 from __future__ import annotations
@@ -16,20 +17,31 @@ import torch
 
 from qpass.formats.spec import ALL_SPECS, FP8Spec, Granularity, MXFP4Spec, NVFP4Spec
 from qpass.ops import register_kernel
+from qpass.tables import QUANTIZE_OP, kernel, register
 from qpass.quant.nvfp4 import nvfp4_act_spec
 from qpass.quant.rac import RACConfig
 from qpass.backends.triton.linear import fp8_linear_triton, w4a4_linear_triton, w4a16_linear_triton
 from qpass.backends.triton.quantize import fp8_quantize_triton, mxfp4_quantize_triton, nvfp4_quantize_triton
 
 
-# spec type -> (spec -> quantizer of that spec)
-QUANTIZERS: dict[type, Callable[[object], Callable[..., object]]] = {
-    NVFP4Spec: lambda spec: functools.partial(nvfp4_quantize_triton, per_token=spec.global_scope == "per_token", spec=spec),
-    MXFP4Spec: lambda spec: mxfp4_quantize_triton,
-    FP8Spec: lambda spec: functools.partial(fp8_quantize_triton, spec=spec),
-}
+@register("kernels", NVFP4Spec, op=QUANTIZE_OP, backend="triton", claim=True)
+def _nvfp4_quantize(spec: NVFP4Spec, x: torch.Tensor, *args: object, **kw: object) -> object:
+    return nvfp4_quantize_triton(x, *args, per_token=spec.global_scope == "per_token", spec=spec, **kw)
 
-TRITON_KERNELS: dict[str, Callable[..., object]] = {spec.key: QUANTIZERS[type(spec)](spec) for spec in ALL_SPECS}
+
+@register("kernels", MXFP4Spec, op=QUANTIZE_OP, backend="triton", claim=True)
+def _mxfp4_quantize(spec: MXFP4Spec, x: torch.Tensor, *args: object, **kw: object) -> object:
+    return mxfp4_quantize_triton(x, *args, **kw)
+
+
+@register("kernels", FP8Spec, op=QUANTIZE_OP, backend="triton", claim=True)
+def _fp8_quantize(spec: FP8Spec, x: torch.Tensor, *args: object, **kw: object) -> object:
+    return fp8_quantize_triton(x, *args, spec=spec, **kw)
+
+
+TRITON_KERNELS: dict[str, Callable[..., object]] = {
+    spec.key: functools.partial(kernel(QUANTIZE_OP, spec, "triton"), spec) for spec in ALL_SPECS
+}
 
 
 @register_kernel("qpass::nvfp4_linear", "triton", NVFP4Spec)
