@@ -25,15 +25,6 @@ def _import_map():
 
 # TEMPORARY allow-list (the lead clears it as the spec-table rework lands; do not add to it):
 ALLOWED = {
-    # spec/kernel tables rework (helper `tables`): lowering.py and ops.py stop importing the Triton
-    # backend (registration goes through qpass.apps.plugins.load_backends), lowering.py goes away
-    # (its cycle with quant/qdq.py with it), sync uses quant.quantize_site_weights instead of the
-    # NVFP4 lowering pass, and the SGLang weights reader stops importing the apps' artifacts module.
-    ("qpass.lowering", "qpass.backends.triton"),
-    ("qpass.ops", "qpass.backends.triton"),
-    ("qpass.quant.qdq", "qpass.lowering"),
-    ("qpass.runtime.sync", "qpass.passes.nvfp4_lower"),
-    ("qpass.backends.sglang.weights", "qpass.apps.artifacts"),
 }
 
 
