@@ -63,7 +63,7 @@ def test_update_weights_equals_graph_sync_and_reads_back(tiny_pipeline):
     served = ro.served_weights()
     assert len(served) == 14
     for sid, s in served.items():
-        c = twin.quant[sid]["constants"]
+        c = twin.quant[sid].constants
         assert s.format == "nvfp4" and s.codes.dtype == torch.uint8
         assert torch.equal(s.codes, twin.gm.get_buffer(c["codes"]))
         assert torch.equal(s.scales.view(torch.uint8), twin.gm.get_buffer(c["scales"]).view(torch.uint8))
