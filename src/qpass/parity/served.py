@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
-from qpass.quant.groups import group_amax
-from qpass.quant.nvfp4 import nvfp4_quantize
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.quant.weights import quantize_site_weights
 from qpass.runtime.served import ServedSite
 
 
@@ -70,9 +70,10 @@ def check_served_weights(weights: Mapping[str, torch.Tensor], served: Mapping[st
         if missing:
             bad += [f"{m[: -len('.weight')]}: no master weight {m}" for m in missing]
             continue
-        amax = group_amax([weights[f"{s}.weight"].detach() for s in sids])
+        quantized = quantize_site_weights(NVFP4_WEIGHT, {s: weights[f"{s}.weight"] for s in sids},
+                                          names={s: f"{s}.weight" for s in sids})
         for sid in sids:
-            q = nvfp4_quantize(weights[f"{sid}.weight"].detach(), amax, site=sid)
+            q = quantized[sid].tensor
             s = served[sid]
             checked += 1
             dev = s.codes.device

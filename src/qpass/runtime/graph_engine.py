@@ -92,7 +92,7 @@ class GraphRolloutEngine(TorchRollout):
         for sid, rec in self.qg.quant.items():
             kind, c = rec.kind, rec.constants
             if kind == "nvfp4_linear":
-                out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]), rec.get("group", sid))
+                out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]), rec.group)
             elif kind == "mxfp4_linear":
                 out[sid] = ServedSite(sid, "mxfp4", buf(c["codes"]), buf(c["scales"]), group=sid)
             elif kind == "fp8_linear":
