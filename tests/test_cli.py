@@ -33,6 +33,7 @@ def test_one_tree_with_shared_flags():
               "study": {"--threads", "--force", "-v", "--verbose"}}
     for name, flags in shared.items():
         assert flags <= _options(sub.choices[name]), (name, flags - _options(sub.choices[name]))
+    assert {"-v", "--verbose"} <= _options(sub.choices["grpo-plot"])
     # defined once: the same help text wherever a shared flag appears
     helps = {}
     for name in shared:
@@ -93,6 +94,6 @@ def test_every_recipe_check_has_one_registered_parity_check(monkeypatch):
 def test_recipes_json_is_strict(capsys):
     import json
 
-    assert cli_main(["recipes", "--json"]) == 0
+    assert cli_main(["recipes", "--json", "-v"]) == 0
     rows = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
     assert {"bf16", "quads_nvfp4"} <= {r["name"] for r in rows}

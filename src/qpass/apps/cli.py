@@ -33,10 +33,12 @@ def _recipes(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from qpass.apps.cliutil import add_verbose
     from qpass.recipe import builtin_recipes, load_recipe
 
     ap = argparse.ArgumentParser(prog="qpass recipes", description="List built-in recipes")
     ap.add_argument("--json", action="store_true")
+    add_verbose(ap)
     a = ap.parse_args(argv)
     rows = []
     for name, path in sorted(builtin_recipes().items()):

@@ -143,6 +143,7 @@ def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
                     help="a metrics key to plot (repeatable; default: gap/token/g_abs, gap/max_abs, reward/mean, eval/accuracy)")
     ap.add_argument("--smooth", type=_pos_int, default=1, help="moving-average window")
     ap.add_argument("--title", default=None)
+    add_verbose(ap)
     return ap
 
 
