@@ -1,9 +1,8 @@
 """The import map (scripts/import_map.py): core -/-> backends/apps, backends -/-> apps, runtime -/->
 passes, no cycles (lazy in-function imports and importlib string targets count).
 
-``ALLOWED`` lists the edges other work in progress still has, each with its owner; the rule itself
-is not weakened (the edges are removed from the graph, every other edge is checked), and the
-checker is proven on a synthetic package that breaks every rule."""
+No allow-list: every edge is checked, and the checker is proven on a synthetic package that breaks
+every rule."""
 
 from __future__ import annotations
 
@@ -23,16 +22,13 @@ def _import_map():
     return mod
 
 
-# TEMPORARY allow-list (the lead clears it as the spec-table rework lands; do not add to it):
-ALLOWED = {
-}
 
 
 def test_qpass_import_map_holds():
     im = _import_map()
     g = im.import_graph()
     assert len(g) > 100 and "qpass.runtime.engine" in g and "qpass.apps.plugins" in g
-    bad = im.violations(g, ALLOWED)
+    bad = im.violations(g)
     assert bad == [], "\n".join(bad)
 
 
@@ -40,7 +36,7 @@ def test_seams_are_where_the_design_says():
     im = _import_map()
     g = im.import_graph()
     assert "qpass.backends.base" in g["qpass.apps.plugins"]  # the one registration path is an app module
-    for m in ("qpass.runtime.engine", "qpass.runtime.graph_engine", "qpass.parity.behavior"):
+    for m in ("qpass.runtime.engine", "qpass.runtime.graph_engine", "qpass.parity.behavior", "qpass.ops"):
         assert not any(im.layer(b) != "core" for b in g[m]), m
     # apps reach engines through the protocol module, not the torch runtime classes
     for m in ("qpass.apps.grpo.grpo", "qpass.apps.study.replay"):
