@@ -55,14 +55,15 @@ def _assert_replay_equals_generate(qg, prompts, pad, eos, **kw):
 
 @pytest.mark.slow
 def test_replay_equals_generate_default_model(pipe):
-    from qpass.apps.study.run import _passes, build_graph, rollout_specs
+    from qpass.apps.study.configs import ROLLOUTS, study_recipe
+    from qpass.apps.study.run import build_config
 
     tok = pipe.tokenizer
     prompts = encode_chat(tok, probe_prompts(3))  # 3 real rows + 1 filler row in the static batch of 4
-    bf16 = build_graph(pipe.base_step, "rollout", [])
+    bf16 = build_config(pipe, "rollout", study_recipe(ROLLOUTS["bf16"]))
     b = _assert_replay_equals_generate(bf16, prompts, tok.pad_token_id, tok.eos_token_id, max_new_tokens=4, seed=3)
     assert int(b.response_mask.sum()) > 0
-    w4a4 = build_graph(pipe.base_step, "rollout", _passes("rollout", rollout_specs(1)["w4a4"]))
+    w4a4 = build_config(pipe, "rollout", study_recipe(ROLLOUTS["w4a4"], layers=1))
     _assert_replay_equals_generate(w4a4, prompts, tok.pad_token_id, tok.eos_token_id, max_new_tokens=4, seed=3)
 
 
@@ -148,6 +149,107 @@ def test_study_quick(pipe, tmp_path):
     claims_md = md.split("## 7. Paper claims")[1]
     assert "verdicts are not evidence" in claims_md
     assert claims_md.count("**quick run: not evidence** (toy outcome: ") == 6
+
+
+# ------------------------------------------------------------------ configurations as recipes
+# The configurations the study built as Python dicts before it used recipes (pass entries per
+# name, quick run: decoder layer 0 only): the recipes must give exactly these pass lists.
+_L0 = [r"re:model\.layers\.(0)\..*"]
+_RAC_L0 = [r"re:model\.layers\.(0)\.mlp\.(gate_proj|up_proj)"]
+_OLD_LEARNERS = {"bf16": [], "w_qdq": [("weight_qdq", {})], "a_qdq": [("act_qdq", {})],
+                 "wa_qdq": [("weight_qdq", {}), ("act_qdq", {})]}
+_OLD_ROLLOUTS = {"bf16": [], "w4a16": [("w4a16_lower", {})], "w16a4": [("act_qdq", {})],
+                 "w4a4": [("w4a4_lower", {"act": "nvfp4"})], "bf16_fp32acc": [("fp32_accumulate_linear", {})]}
+
+
+def _entries(passes) -> list[tuple[str, dict]]:
+    """``(pass, every option value)`` of built passes."""
+    return [(p.name, p.options.model_dump()) for p in passes]
+
+
+def _expected(entries: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """``(pass, every option value)`` of recipe-style entries (defaults filled in by the pass)."""
+    from qpass.pm import get_pass
+
+    return [(n, get_pass(n).Options(**o).model_dump()) for n, o in entries]
+
+
+@pytest.mark.parametrize("layers", [None, 1])
+def test_study_configurations_are_the_former_pass_lists(layers):
+    from qpass.apps.study.configs import LEARNERS, ROLLOUTS, study_recipe
+
+    def restrict(entries):
+        return _expected([(n, {**o, "targets": _L0}) if layers else (n, o) for n, o in entries])
+
+    assert set(LEARNERS) == set(_OLD_LEARNERS) and set(ROLLOUTS) == set(_OLD_ROLLOUTS)
+    for name, ref in LEARNERS.items():
+        assert _entries(study_recipe(ref, layers=layers).learner) == restrict(_OLD_LEARNERS[name]), name
+    for name, ref in ROLLOUTS.items():
+        assert _entries(study_recipe(ref, layers=layers).rollout) == restrict(_OLD_ROLLOUTS[name]), name
+
+
+def test_study_rac_override_and_its_validation():
+    from qpass.apps.study.configs import RACOverride, rac_targets, study_recipe, study_recipes
+    from qpass.errors import QpassError, RecipeError
+    from qpass.recipe import builtin_recipes
+
+    assert not set(study_recipes()) & set(builtin_recipes())  # one name, one recipe
+    rec = study_recipe("quads_nvfp4", layers=1, rac=RACOverride(0.25, "gathered", "token"))
+    assert _entries(rec.rollout) == _expected([
+        ("w4a4_lower", {"act": "nvfp4", "targets": _L0}),
+        ("residual_compensation", {"targets": _RAC_L0, "ratio": 0.25, "mode": "gathered", "selection": "token"})])
+    assert rec.name == "quads_nvfp4[layers<1, rac=0.25/gathered/token]" and "rac=0.25" in rec.path
+    assert rac_targets(None) == ["*.mlp.gate_proj", "*.mlp.up_proj"] and rac_targets(1) == _RAC_L0
+    full = study_recipe("quads_nvfp4", rac=RACOverride(1.0, "masked", "batch"))
+    assert _entries(full.rollout) == _expected([("w4a4_lower", {"act": "nvfp4"}), ("residual_compensation", {
+        "targets": ["*.mlp.gate_proj", "*.mlp.up_proj"], "ratio": 1.0, "mode": "masked", "selection": "batch"})])
+    with pytest.raises(RecipeError, match="quads_nvfp4.yaml \\+ rac=0.5/sideways/batch.*mode"):
+        study_recipe("quads_nvfp4", rac=RACOverride(0.5, "sideways", "batch"))  # validated like a recipe file
+    with pytest.raises(QpassError, match="no 'residual_compensation' entry"):
+        study_recipe("naive_nvfp4", rac=RACOverride(0.5, "masked", "batch"))
+    with pytest.raises(QpassError, match="not found"):
+        study_recipe("no_such_recipe")
+
+
+def test_kernel_control_pass_equals_the_former_graph_edit(tiny_pipeline):
+    """The ``fp32_accumulate_linear`` pass (study recipe ``kernel_control``, verifier on) samples the
+    same tokens with the same log q, bit for bit, as the study-local graph edit it replaces (every
+    targeted ``aten.linear`` node's target swapped for an eager fp32-accumulate function)."""
+    from qpass.apps.study.configs import study_recipe
+    from qpass.graph.properties import check_property
+    from qpass.graph.sites import select_sites
+    from qpass.graph.verify import verify
+    from qpass.passes.fp32_accumulate import fp32_accumulate_linear
+
+    pipe = tiny_pipeline
+    for layers in (None, 1):
+        new = pipe.build_side(study_recipe("kernel_control", layers=layers), "rollout", share_params=True)
+        verify(new)
+        assert not check_property(new, "fp32_accumulate") and "fp32_accumulate" in new.properties
+        (res,) = new.history
+        targets = [r"re:model\.layers\.(0)\..*"] if layers else ["*"]
+        chosen = {s.id for s in select_sites(pipe.base_step.sites.values(), targets)}
+        assert res.name == "fp32_accumulate_linear" and set(res.sites) == chosen and res.matches == len(chosen) > 0
+        assert not any(n.target == torch.ops.aten.linear.default and n.meta.get("qpass_linear_site") in chosen
+                       for n in new.gm.graph.nodes)
+        old = pipe.base_step.clone("rollout", share_params=True)  # the former study-local edit
+        for node in old.gm.graph.nodes:
+            if node.target == torch.ops.aten.linear.default and node.meta.get("qpass_linear_site") in chosen:
+                node.target = fp32_accumulate_linear
+        old.gm.recompile()
+        prompts = [[5, 6, 9, 10, 11], [12, 13], [20, 21, 22, 23], [30]]
+        kw = {"max_new_tokens": 6, "seed": 2, "temperature": 0.8}
+        a = TorchRollout(new, pad_token_id=0, eos_token_id=1).generate(prompts, **kw)
+        b = TorchRollout(old, pad_token_id=0, eos_token_id=1).generate(prompts, **kw)
+        assert torch.equal(a.responses, b.responses) and torch.equal(a.logq.view(torch.int32), b.logq.view(torch.int32))
+
+
+def test_fp32_accumulate_pass_rejects_the_learner_side():
+    from qpass.errors import RecipeError
+    from qpass.recipe import parse_recipe
+
+    with pytest.raises(RecipeError, match="<recipe>:3: .*cannot run on the learner side"):
+        parse_recipe("name: x\nlearner:\n  - pass: fp32_accumulate_linear\n")
 
 
 def _toy_result(quick: bool) -> dict:

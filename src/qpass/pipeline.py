@@ -99,16 +99,52 @@ class Pipeline:
             KernelMissingError: a lowered site's op has no kernel on ``kernels`` (names the site,
                 op, spec and backend) — never a silent fallback at run time.
         """
+        kw = {"debug": debug, "reproducer_dir": reproducer_dir, "calibration": calibration, "kernels": kernels}
+        learner = self.build_side(recipe, "learner", **kw)
+        rollout = self.build_side(recipe, "rollout", **kw)
+        return learner, rollout
+
+    def build_side(
+        self,
+        recipe: Recipe,
+        side: str,
+        *,
+        share_params: bool = False,
+        debug: bool = True,
+        reproducer_dir: Path | None = None,
+        calibration: object | None = None,
+        kernels: str | None = None,
+    ) -> QGraph:
+        """One side of :meth:`build`: clone the base graph of ``side`` (``learner``: the scoring
+        graph, ``rollout``: the step graph) and run that side's pass list of ``recipe``.
+
+        With ``share_params`` the clone shares the base graph's parameters (for callers that never
+        train and build many configurations, e.g. ``qpass study``: no pass writes a parameter;
+        lowering passes add constants and drop parameters from the clone only) and the learner's
+        parameters keep their ``requires_grad``; otherwise the learner clone's own parameters
+        require grad. Buffers (the static KV cache) are always the clone's own.
+
+        Raises:
+            ValueError: ``side`` is neither ``learner`` nor ``rollout``.
+            RecipeError: a pass's ``targets``/``exclude`` pattern matches no captured site (checked
+                before any pass runs, see :func:`qpass.recipe.check_site_globs`).
+            PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
+            KernelMissingError: (rollout) a lowered site's op has no kernel on ``kernels`` (default:
+                the current backend), as in :meth:`build`.
+        """
+        if side not in ("learner", "rollout"):
+            raise ValueError(f"side must be 'learner' or 'rollout', got {side!r}")
         check_site_globs(recipe, list(dict.fromkeys([*self.base_scoring.sites, *self.base_step.sites])), self.loaded.name)
         ctx = PassContext(debug=debug, reproducer_dir=reproducer_dir, calibration=calibration, recipe_path=recipe.path)
-        learner = self.base_scoring.clone("learner")
-        for p in learner.gm.parameters():
-            p.requires_grad_(True)
-        rollout = self.base_step.clone("rollout")
-        PassManager(recipe.learner, side="learner").run(learner, ctx)
-        PassManager(recipe.rollout, side="rollout").run(rollout, ctx)
-        check_kernels(((r.op, r.spec, r.site) for r in rollout.quant.values() if r.lowered), kernels or current_backend())
-        return learner, rollout
+        base = self.base_scoring if side == "learner" else self.base_step
+        qg = base.clone(side, share_params=share_params)
+        if side == "learner" and not share_params:
+            for p in qg.gm.parameters():
+                p.requires_grad_(True)
+        PassManager(recipe.learner if side == "learner" else recipe.rollout, side=side).run(qg, ctx)
+        if side == "rollout":
+            check_kernels(((r.op, r.spec, r.site) for r in qg.quant.values() if r.lowered), kernels or current_backend())
+        return qg
 
     @property
     def tokenizer(self):  # noqa: ANN201

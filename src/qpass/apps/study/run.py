@@ -10,12 +10,17 @@ Usage::
 What it measures (SPEC §2 claims, SPEC §4 metrics), on the model as loaded:
 
 1. rollout operand ablation vs a BF16 learner: W4A16, W16A4, W4A4, plus the BF16 floor and a kernel
-   floor (BF16 weights, the rollout op's fp32-accumulate arithmetic: :func:`build_kernel_control`);
+   floor (BF16 weights, the rollout op's fp32-accumulate arithmetic: the ``fp32_accumulate_linear``
+   pass of the study recipe ``kernel_control``);
 2. learner-side QDQ: weight QDQ on the W4A16 gap, activation QDQ on the W16A4 gap (and the
    symmetric W4A4-QAT learner against the W4A4 rollout);
 3. RAC ratio k x mode {masked, gathered} x selection {batch, token} on the QUADS configuration
    (weight-QDQ learner, W4A4 rollout + RAC on gate/up): mean and max |d|, FLOPs, CUDA time;
 4. layer-wise input mismatch per site, asymmetric W4A16 QAT vs symmetric W4A4 QAT.
+
+Every configuration is one side of a YAML recipe (shipped or ``qpass/apps/study/recipes``), with the
+layer restriction and the RAC sweep applied as overrides and validated like a recipe file, built
+through the pass manager with the graph verifier on: see :mod:`qpass.apps.study.configs`.
 
 Gaps are measured **paired**: one fixed set of sequences is sampled from the BF16 rollout and every
 configuration's ``log q`` comes from replaying exactly those tokens through its rollout step graph
@@ -53,11 +58,12 @@ from typing import Any
 import torch
 
 from qpass.apps.study import layerwise as lw
+from qpass.apps.study.configs import LEARNERS, RAC_RECIPE, ROLLOUTS, RACOverride, rac_targets, study_recipe
 from qpass.atomic import check_output_path
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import select_sites
-from qpass.pm import Pass, PassContext, PassManager, get_pass
+from qpass.recipe import Recipe
 from qpass.apps.study.cost import config_key, rac_cost_table, time_rac_linear
 from qpass.apps.study.replay import (
     SampledSet,
@@ -76,7 +82,6 @@ FULL_RATIOS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
 QUICK_RATIOS = (0.0, 0.5, 1.0)
 MODES = ("masked", "gathered")
 SELECTIONS = ("batch", "token")
-RAC_DEFAULT_TARGETS = ("*.mlp.gate_proj", "*.mlp.up_proj")
 QUADS_REF = (0.5, "masked", "batch")  # the paper's configuration (k = 50%, per-batch selection)
 DEFAULT_MAX_BATCH = 24  # the whole built-in probe set in one static batch
 
@@ -127,97 +132,11 @@ class StudyConfig:
 
 
 # ------------------------------------------------------------------------------------ building
-def _targets(layers: int | None, roles: tuple[str, ...] | None = None) -> list[str] | None:
-    """Site patterns restricted to decoder layers ``[0, layers)`` (None: the pass default)."""
-    if layers is None:
-        return list(RAC_DEFAULT_TARGETS) if roles else None
-    idx = "|".join(str(i) for i in range(layers))
-    tail = r"\..*" if not roles else r"\.mlp\.(" + "|".join(roles) + ")"
-    return [rf"re:model\.layers\.({idx}){tail}"]
-
-
-def _passes(side: str, entries: list[dict[str, Any]]) -> list[Pass]:
-    """Pass objects from recipe-style entries ``{"pass": name, **options}`` (options validated by
-    each pass's pydantic ``Options``; the side is checked by :class:`PassManager`)."""
-    return [get_pass(e["pass"])({k: v for k, v in e.items() if k != "pass"}) for e in entries]
-
-
-def _with_targets(entry: dict[str, Any], targets: list[str] | None) -> dict[str, Any]:
-    return {**entry, "targets": targets} if targets is not None else entry
-
-
-def learner_specs(layers: int | None) -> dict[str, list[dict[str, Any]]]:
-    """Learner configurations: pass entries per name."""
-    t = _targets(layers)
-    return {
-        "bf16": [],
-        "w_qdq": [_with_targets({"pass": "weight_qdq"}, t)],
-        "a_qdq": [_with_targets({"pass": "act_qdq"}, t)],
-        "wa_qdq": [_with_targets({"pass": "weight_qdq"}, t), _with_targets({"pass": "act_qdq"}, t)],
-    }
-
-
-def rollout_specs(layers: int | None) -> dict[str, list[dict[str, Any]]]:
-    """Base rollout configurations (RAC variants are derived from ``w4a4``)."""
-    t = _targets(layers)
-    return {
-        "bf16": [],
-        "w4a16": [_with_targets({"pass": "w4a16_lower"}, t)],
-        "w16a4": [_with_targets({"pass": "act_qdq"}, t)],
-        "w4a4": [_with_targets({"pass": "w4a4_lower", "act": "nvfp4"}, t)],
-    }
-
-
-def build_graph(base: QGraph, side: str, passes: list[Pass]) -> QGraph:
-    """Clone ``base`` for ``side`` and run ``passes`` (as :meth:`Pipeline.build` does per side).
-
-    The clone shares the BF16 parameters with ``base`` (the study never trains and no pass writes
-    a parameter; lowering passes add constants and drop parameters from the clone only); buffers
-    (the static KV cache) are the clone's own.
-    """
-    qg = base.clone(side, share_params=True)
-    PassManager(passes, side=side).run(qg, PassContext(debug=False))
-    return qg
-
-
-def fp32_accumulate_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """BF16-weight linear with the rollout op's arithmetic: float32 product of the operands as
-    given, ``+ bias`` in float32, one rounding to ``x.dtype`` (:func:`qpass.quant.linear.w4a16_linear_reference`
-    without quantized weights)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    acc = x2.float() @ w.float().t()
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.reshape(*x.shape[:-1], acc.shape[-1]).to(x.dtype)
-
-
-def build_kernel_control(base_step: QGraph, layers: int | None) -> QGraph:
-    """Control rollout for the engine-drift floor of the *kernels*: BF16 weights, but every linear
-    the quantizing passes would target computes with :func:`fp32_accumulate_linear` (the
-    arithmetic of the rollout's NVFP4 op) instead of ``aten.linear``. A study-local graph edit,
-    not a qpass pass: it isolates the drift that comes from the GEMM arithmetic alone."""
-    qg = base_step.clone("rollout", share_params=True)
-    targets = _targets(layers) or ["*"]
-    chosen = {s.id for s in select_sites(qg.sites.values(), targets)}
-    n = 0
-    for node in qg.gm.graph.nodes:
-        if node.op == "call_function" and node.target == torch.ops.aten.linear.default \
-                and node.meta.get("qpass_linear_site") in chosen:
-            node.target = fp32_accumulate_linear
-            n += 1
-    if n == 0:
-        raise QpassError("kernel control: no linear matched the quantized sites")
-    qg.gm.recompile()
-    return qg
-
-
-def build_rac(w4a4: QGraph, ratio: float, mode: str, selection: str, targets: list[str]) -> QGraph:
-    """The W4A4 rollout plus ``residual_compensation`` (clone of an already lowered graph)."""
-    entry = {"pass": "residual_compensation", "targets": targets, "ratio": float(ratio), "mode": mode,
-             "selection": selection, "allow_zero_channels": True}  # the zero-channel invariant configs
-    qg = w4a4.clone("rollout", share_params=True)
-    PassManager(_passes("rollout", [entry]), side="rollout").run(qg, PassContext(debug=False))
-    return qg
+def build_config(pipe: Any, side: str, recipe: Recipe) -> QGraph:
+    """One study configuration: ``side`` of ``recipe`` built by :meth:`Pipeline.build_side` (pass
+    manager, verifier on). The clone shares the BF16 parameters with the base graph (the study
+    never trains); buffers (the static KV cache) are the clone's own."""
+    return pipe.build_side(recipe, side, share_params=True, debug=True)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -308,8 +227,8 @@ def _run(cfg: StudyConfig, pipe: Any | None) -> dict[str, Any]:
         del roll_acts
         on_policy = st.on_policy(learner_bf16, graphs)
         del learner_bf16
-        st.rac_sweep(graphs.pop("w4a4"))
         del graphs
+        st.rac_sweep()
         cost, timing = st.cost()
     st.prog.close()
     return st.assemble(layerwise, on_policy, cost, timing)
@@ -349,7 +268,7 @@ class _Study:
         self.pad, self.eos = int(tok.pad_token_id), tok.eos_token_id
         self.deadline = None if cfg.budget_s is None else self.t0 + cfg.budget_s
         self.skipped: list[str] = []
-        self.rac_targets = _targets(cfg.layers, ("gate_proj", "up_proj"))
+        self.rac_targets = rac_targets(cfg.layers)
         self.rac_sites = [s.id for s in select_sites(pipe.base_step.sites.values(), self.rac_targets)]
         if not self.rac_sites:
             raise QpassError(f"no RAC target site matches {self.rac_targets} in {pipe.loaded.name}")
@@ -389,8 +308,8 @@ class _Study:
         cfg, prog = self.cfg, self.prog
         prog.step("sample (BF16 rollout)")
         t = time.perf_counter()
-        specs = rollout_specs(cfg.layers)
-        graphs: dict[str, QGraph] = {"bf16": build_graph(self.pipe.base_step, "rollout", _passes("rollout", specs["bf16"]))}
+        recipes = {name: study_recipe(ref, layers=cfg.layers) for name, ref in ROLLOUTS.items()}
+        graphs: dict[str, QGraph] = {"bf16": build_config(self.pipe, "rollout", recipes["bf16"])}
         self.sset: SampledSet = sample_fixed_set(
             graphs["bf16"], self.prompts, pad_token_id=self.pad, eos_token_id=self.eos, max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
@@ -403,18 +322,16 @@ class _Study:
         for name in ("bf16", "bf16_fp32acc", "w4a16", "w16a4", "w4a4"):
             prog.step(f"replay {name}")
             t = time.perf_counter()
-            if name == "bf16_fp32acc":
-                graphs[name] = build_kernel_control(self.pipe.base_step, cfg.layers)
-            elif name not in graphs:
-                graphs[name] = build_graph(self.pipe.base_step, "rollout", _passes("rollout", specs[name]))
+            if name not in graphs:
+                graphs[name] = build_config(self.pipe, "rollout", recipes[name])
             build_s = time.perf_counter() - t
             factory = None
             if name == "w4a4":
                 decode_rec = lw.DecodeRecorder(graphs[name].gm)
                 factory = lambda ci, ro, rec=decode_rec: rec if ci == 0 else None  # noqa: E731
             self.logq[name] = self._replay(graphs[name], factory)
-            self.rollout_info[name] = {"passes": specs.get(name, "study-local control: fp32-accumulate linears"),
-                                       "build_s": build_s, "replay_s": time.perf_counter() - t - build_s}
+            self.rollout_info[name] = {**_recipe_info(recipes[name], "rollout"), "build_s": build_s,
+                                       "replay_s": time.perf_counter() - t - build_s}
             prog.done()
         self.invariants["bf16_replay_equals_sampled_logq"] = bool(torch.equal(self.logq["bf16"], self.sset.sampled_logq()))
         prog.step("layer-wise: W4A4 rollout prefill capture")
@@ -435,16 +352,16 @@ class _Study:
 
         Returns the layer-wise section and the BF16 learner graph (for the on-policy phase).
         """
-        lspecs = learner_specs(self.cfg.layers)
         raw: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
         learner_bf16 = None
         for name in ("bf16", "w_qdq", "a_qdq", "wa_qdq"):
             self.prog.step(f"learner {name}")
             t = time.perf_counter()
-            learner = build_graph(self.pipe.base_scoring, "learner", _passes("learner", lspecs[name]))
+            recipe = study_recipe(LEARNERS[name], layers=self.cfg.layers)
+            learner = build_config(self.pipe, "learner", recipe)
             build_s = time.perf_counter() - t
             self.logp[name] = learner_logp(learner, self.sset)
-            info = {"passes": lspecs[name], "build_s": build_s, "score_s": time.perf_counter() - t - build_s}
+            info = {**_recipe_info(recipe, "learner"), "build_s": build_s, "score_s": time.perf_counter() - t - build_s}
             side = {"w_qdq": "asym", "wa_qdq": "sym"}.get(name)
             if side is not None:
                 t2 = time.perf_counter()
@@ -498,8 +415,9 @@ class _Study:
             self.prog.done()
         return out
 
-    def rac_sweep(self, w4a4: QGraph) -> None:
-        """Replay every RAC configuration (clones of the lowered W4A4 rollout + the RAC pass)."""
+    def rac_sweep(self) -> None:
+        """Replay every RAC configuration: the rollout of :data:`RAC_RECIPE` with the ratio, mode
+        and selection overridden (:func:`study_recipe`)."""
         for key, ratio, mode, sel in self.rac_cfgs:
             self.prog.step(key)
             if self.out_of_time():
@@ -507,10 +425,14 @@ class _Study:
                 self.prog.done()
                 continue
             t = time.perf_counter()
-            g = build_rac(w4a4, ratio, mode, sel, self.rac_targets)
+            zero = key.startswith("rac_zero_channels_")  # the invariant configs: RAC with 0 channels == W4A4
+            recipe = study_recipe(RAC_RECIPE, layers=self.cfg.layers,
+                                  rac=RACOverride(ratio, mode, sel, allow_zero_channels=zero))
+            g = build_config(self.pipe, "rollout", recipe)
             build_s = time.perf_counter() - t
             self.logq[key] = self._replay(g)
-            self.rollout_info[key] = {"base": "w4a4", "rac": {"ratio": ratio, "mode": mode, "selection": sel},
+            self.rollout_info[key] = {**_recipe_info(recipe, "rollout"), "base": "w4a4",
+                                      "rac": {"ratio": ratio, "mode": mode, "selection": sel},
                                       "build_s": build_s, "replay_s": time.perf_counter() - t - build_s}
             del g
             self.prog.done()
@@ -598,6 +520,12 @@ class _Study:
         res = _clean(res)
         res["claims"] = evaluate_claims(res)
         return res
+
+
+def _recipe_info(recipe: Recipe, side: str) -> dict[str, Any]:
+    """What ``study.json`` records about a configuration's recipe."""
+    return {"recipe": recipe.name, "recipe_path": recipe.path,
+            "passes": [p.describe() for p in (recipe.learner if side == "learner" else recipe.rollout)]}
 
 
 def _quads_ref_key(ratios: tuple[float, ...]) -> str | None:

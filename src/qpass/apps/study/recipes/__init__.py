@@ -1,0 +1,1 @@
+"""Recipes only ``qpass study`` uses (operand-ablation controls); the shipped ``qpass/recipes`` hold the rest."""
