@@ -555,7 +555,8 @@ def test_e2e_quads_two_grpo_steps_default_model(default_pipeline, tmp_path):
         assert g is not None and math.isfinite(g) and 0 < g <= r["gap/max_abs"]  # W4A4 rollout vs W4A16 learner
         assert math.isfinite(r["gap/token/k3"]) and r["gap/token/k3"] >= 0 and 0 < r["gap/token/ess_raw"] <= 1
         assert r["check/first_minibatch_ratio_exact"] is True  # p_theta == p_prox before the first optimizer step
-        assert r["adv/zero_groups"] == 0 and r["opt/steps"] == 1 and r["opt/changed_frac"] > 0
+        # a group whose two samples get one reward has advantage 0; at least one group must carry signal
+        assert r["adv/zero_groups"] < cfg.prompts_per_step and r["opt/steps"] == 1 and r["opt/changed_frac"] > 0
         # re-synced (210 linears re-quantized from the new weights) and bit-identical to the learner
         assert r["parity/sync_requantized"] == 210 and r["parity/fp_ok"] is True
         assert r["parity/fp_checked"] == r["parity/fp_aligned"] == 120 and r["parity/fp_mismatches"] == []

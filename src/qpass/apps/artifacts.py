@@ -270,11 +270,16 @@ def load_learner_into(learner: QGraph, path: Path) -> int:
     n = 0
     used: set[str] = set()
     missing: list[str] = []
+    params = list(learner.gm.named_parameters(remove_duplicate=False))
+    # save_learner writes a tied parameter once (e.g. lm_head.weight tied to embed_tokens.weight): an
+    # alias is satisfied when another name of the same storage is in the file.
+    saved_ptrs = {p.data_ptr() for name, p in params if site_of(name) in data}
     with torch.no_grad():
-        for name, p in learner.gm.named_parameters(remove_duplicate=False):
+        for name, p in params:
             key = site_of(name)
             if key not in data:
-                missing.append(key)
+                if p.data_ptr() not in saved_ptrs:
+                    missing.append(key)
                 continue
             t = data[key]
             if t.shape != p.shape or t.dtype != p.dtype:
