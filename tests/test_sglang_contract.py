@@ -45,9 +45,9 @@ def _tp(rank: int = 0, size: int = 1):
 
 
 def _config(sgl, **options):
-    from qpass.backends.sglang.config import QpassSGLangOptions
+    from qpass.checkpoint.qconfig import QpassQuantOptions
 
-    return sgl.Config(QpassSGLangOptions(**options))
+    return sgl.Config(QpassQuantOptions(**options))
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qpass.backends import sglang as qsgl
-from qpass.backends.sglang.config import QpassSGLangOptions
+from qpass.checkpoint.qconfig import QpassQuantOptions
 from qpass.errors import QpassError, QuantizationError
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.rac import RACConfig
@@ -83,29 +83,29 @@ def test_options_from_qpass_hf_quant_config_and_back():
                     "model.layers.0.mlp.up_proj": {"ratio": 0.5, "mode": "masked", "selection": "batch"}},
         },
     }
-    o = QpassSGLangOptions.from_config(hf)
+    o = QpassQuantOptions.from_config(hf)
     assert o.act == "nvfp4_per_token" and o.exclude == ("lm_head",)
     assert o.rac_for("model.layers.0.mlp.gate_up_proj") == RACConfig(0.5, "masked", "batch")
     assert o.rac_for("model.layers.0.self_attn.qkv_proj") is None
     assert o.members("model.layers.0.self_attn.qkv_proj") == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     flat = qsgl.checkpoint_quant_config(o)["quantization_config"]
     assert flat["quant_method"] == "qpass_nvfp4" and flat["quant_algo"] == "NVFP4"
-    assert QpassSGLangOptions.from_config(flat) == o
+    assert QpassQuantOptions.from_config(flat) == o
 
 
 def test_options_w4a16_exclusions_and_errors():
-    assert QpassSGLangOptions.from_config({"quant_algo": "W4A16_NVFP4"}).act == "none"
-    assert QpassSGLangOptions.from_config({"quant_algo": "NVFP4", "qpass_act": "none"}).act == "none"
-    o = QpassSGLangOptions()
+    assert QpassQuantOptions.from_config({"quant_algo": "W4A16_NVFP4"}).act == "none"
+    assert QpassQuantOptions.from_config({"quant_algo": "NVFP4", "qpass_act": "none"}).act == "none"
+    o = QpassQuantOptions()
     assert o.is_excluded("lm_head") and o.is_excluded("model.embed_tokens") and not o.is_excluded("model.layers.0.mlp.down_proj")
     with pytest.raises(QpassError, match="quant_algo 'FP8'"):
-        QpassSGLangOptions.from_config({"quant_algo": "FP8"})
+        QpassQuantOptions.from_config({"quant_algo": "FP8"})
     with pytest.raises(QpassError, match="static RAC"):
-        QpassSGLangOptions(rac={"a.b": RACConfig(0.5, "masked", "static")})
+        QpassQuantOptions(rac={"a.b": RACConfig(0.5, "masked", "static")})
     with pytest.raises(QpassError, match="fused layer m.qkv_proj has members both excluded and quantized"):
-        QpassSGLangOptions(exclude=("m.q_proj",)).is_excluded("m.qkv_proj")
+        QpassQuantOptions(exclude=("m.q_proj",)).is_excluded("m.qkv_proj")
     with pytest.raises(QpassError, match="different RAC settings"):
-        QpassSGLangOptions(rac={"m.gate_proj": RACConfig(0.5)}).rac_for("m.gate_up_proj")
+        QpassQuantOptions(rac={"m.gate_proj": RACConfig(0.5)}).rac_for("m.gate_up_proj")
 
 
 # ------------------------------------------------------------------------------------- weights
@@ -196,7 +196,7 @@ def test_row_parallel_activation_helper_equals_the_reference_fake_quant():
 # ------------------------------------------------------------------------------------- bad input (load/update/read)
 def _layer(parts=(32, 32, 32), k=64, prefix="model.layers.0.self_attn.qkv_proj"):
     """A module with the parameters ``create_weights`` registers, as SGLang allocates them."""
-    from qpass.backends.sglang.contract import make_tensor
+    from qpass.checkpoint.params import make_tensor
 
     layer = torch.nn.Module()
     for p in qsgl.linear_param_specs(k, list(parts), prefix=prefix):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 
-from qpass.backends.sglang.config import METHOD_NAME, QpassSGLangOptions, checkpoint_quant_config
-from qpass.backends.sglang.contract import ParamSpec, linear_param_specs
+from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions, checkpoint_quant_config
+from qpass.checkpoint.params import ParamSpec, linear_param_specs
 from qpass.backends.sglang.plugin import plugin_classes, sglang_available
 from qpass.backends.sglang.weights import check_fused_global_scales, named_tensors_from_rollout, quantize_state_dict, tp_shard
 
@@ -63,7 +63,7 @@ def register() -> bool:
 __all__ = [
     "METHOD_NAME",
     "ParamSpec",
-    "QpassSGLangOptions",
+    "QpassQuantOptions",
     "check_fused_global_scales",
     "checkpoint_quant_config",
     "linear_param_specs",

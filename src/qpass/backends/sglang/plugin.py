@@ -1,7 +1,7 @@
 """The SGLang classes (built on first use, so importing qpass never needs SGLang).
 
 * ``QpassNvfp4Config(QuantizationConfig)``: name ``qpass_nvfp4``; ``from_config`` parses the
-  checkpoint's quantization config (:class:`.config.QpassSGLangOptions`); ``get_quant_method``
+  checkpoint's quantization config (:class:`qpass.checkpoint.qconfig.QpassQuantOptions`); ``get_quant_method``
   returns :class:`QpassNvfp4LinearMethod` for quantized linear layers and SGLang's
   ``UnquantizedLinearMethod`` for excluded ones (lm_head, embeddings, routers).
 * ``QpassNvfp4LinearMethod(LinearMethodBase)``:
@@ -35,8 +35,8 @@ import torch
 
 from qpass.errors import QuantizationError
 
-from qpass.backends.sglang.config import METHOD_NAME, QpassSGLangOptions
-from qpass.backends.sglang.contract import NVFP4_BLOCK, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes
+from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
+from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes
 
 
 def sglang_available() -> bool:
@@ -139,9 +139,9 @@ def plugin_classes() -> tuple[type, type]:
     class QpassNvfp4Config(QuantizationConfig):
         """``--quantization qpass_nvfp4`` (or ``quant_method: qpass_nvfp4`` in a checkpoint)."""
 
-        def __init__(self, options: QpassSGLangOptions | None = None) -> None:
+        def __init__(self, options: QpassQuantOptions | None = None) -> None:
             super().__init__()
-            self.options = options or QpassSGLangOptions()
+            self.options = options or QpassQuantOptions()
             if getattr(self, "packed_modules_mapping", None) is None:
                 self.packed_modules_mapping = {}  # SGLang's is_layer_skipped crashes on None
 
@@ -166,7 +166,7 @@ def plugin_classes() -> tuple[type, type]:
 
         @classmethod
         def from_config(cls, config: dict[str, Any]) -> "QpassNvfp4Config":
-            return cls(QpassSGLangOptions.from_config(config))
+            return cls(QpassQuantOptions.from_config(config))
 
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Any) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from qpass.backends.sglang.contract import check_site_tensors
+from qpass.checkpoint.params import check_site_tensors
 from qpass.errors import QpassError
 from qpass.graph.sites import DEFAULT_EXCLUDE, _group_of, _matches
 from qpass.formats.spec import NVFP4_WEIGHT

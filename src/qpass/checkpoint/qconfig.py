@@ -1,9 +1,10 @@
 """``qpass_nvfp4`` quantization options, read from / written to a checkpoint's quantization config.
 
-Pure python (no SGLang import). The SGLang ``QuantizationConfig`` of :mod:`.plugin` wraps
-:class:`QpassSGLangOptions`.
+Pure python (no engine import): the one schema of the ``qpass_nvfp4`` method. The SGLang
+``QuantizationConfig`` (:mod:`qpass.backends.sglang.plugin`) and the vLLM one wrap
+:class:`QpassQuantOptions`; ``qpass export --format qpass`` writes :meth:`QpassQuantOptions.to_config`.
 
-Config layouts accepted by :meth:`QpassSGLangOptions.from_config` (SGLang passes the dict it found):
+Config layouts accepted by :meth:`QpassQuantOptions.from_config` (SGLang passes the dict it found):
 
 * qpass's ``hf_quant_config.json`` (``qpass apply`` writes it next to ``weights.safetensors``):
   ``{"producer": {"name": "qpass"}, "quantization": {"quant_algo": "NVFP4",
@@ -15,6 +16,10 @@ Config layouts accepted by :meth:`QpassSGLangOptions.from_config` (SGLang passes
 
 ``quant_algo: "W4A16_NVFP4"`` (ModelOpt's weight-only name) or ``qpass_act: "none"`` selects
 W4A16; otherwise activations are quantized dynamically (per tensor, or per token).
+``weight_arithmetic`` names how the stored bytes were computed (``te_reference``: SPEC §3,
+``weight_scale_2 = S_dec = fl(1/fl(2688/amax))``; ``modelopt``: ``weight_scale_2 = fl(amax/2688)``,
+ModelOpt's arithmetic); an engine serving the bytes decodes both the same way (codes x block scale
+x ``weight_scale_2``), so the field matters to whoever re-quantizes master weights for a sync.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from qpass.quant.rac import RACConfig
 
 METHOD_NAME = "qpass_nvfp4"
 ACT_MODES = ("nvfp4", "nvfp4_per_token", "none")
+WEIGHT_ARITHMETIC = ("te_reference", "modelopt")
 DEFAULT_EXCLUDE = ("lm_head", "*embed_tokens", "*.mlp.gate")  # routers stay bf16
 # SGLang's stacked (fused) modules and the checkpoint projections they hold, in shard order.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -38,8 +44,8 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class QpassSGLangOptions:
-    """What the SGLang plugin needs to reproduce a qpass rollout.
+class QpassQuantOptions:
+    """What an engine plugin (SGLang, vLLM) needs to reproduce a qpass rollout.
 
     Attributes:
         act: ``nvfp4`` (W4A4, dynamic per-tensor activation global scale), ``nvfp4_per_token``
@@ -48,15 +54,20 @@ class QpassSGLangOptions:
             compensation. ``selection: static`` is rejected (the calibrated channels are not part
             of the checkpoint).
         exclude: modules left unquantized (glob on the module prefix, or an exact suffix).
+        weight_arithmetic: the quantizer arithmetic the weight bytes follow (module docstring);
+            a sync must re-quantize master weights with the same one (``NVFP4Spec.arithmetic``).
     """
 
     act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
     rac: Mapping[str, RACConfig] = dataclasses.field(default_factory=dict)
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    weight_arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
 
     def __post_init__(self) -> None:
         if self.act not in ACT_MODES:
             raise QpassError(f"{METHOD_NAME}: act must be one of {ACT_MODES}, got {self.act!r}")
+        if self.weight_arithmetic not in WEIGHT_ARITHMETIC:
+            raise QpassError(f"{METHOD_NAME}: weight_arithmetic must be one of {WEIGHT_ARITHMETIC}, got {self.weight_arithmetic!r}")
         for site, cfg in self.rac.items():
             if cfg.selection == "static":
                 raise QpassError(f"{METHOD_NAME}: site {site} uses static RAC, whose calibrated channels a checkpoint does not carry")
@@ -65,7 +76,7 @@ class QpassSGLangOptions:
 
     # ------------------------------------------------------------------ config dicts
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "QpassSGLangOptions":
+    def from_config(cls, config: Mapping[str, Any]) -> "QpassQuantOptions":
         """Parse either layout of the module docstring.
 
         Raises:
@@ -85,7 +96,8 @@ class QpassSGLangOptions:
         for site, r in (q.get("rac") or {}).items():
             rac[site] = RACConfig(float(r["ratio"]), r.get("mode", "masked"), r.get("selection", "batch"))
         excl = q.get("exclude_modules") or q.get("ignore") or q.get("modules_to_not_convert")
-        return cls(act=act, rac=rac, exclude=tuple(excl) if excl is not None else DEFAULT_EXCLUDE)
+        arith = q.get("weight_arithmetic", "te_reference")
+        return cls(act=act, rac=rac, exclude=tuple(excl) if excl is not None else DEFAULT_EXCLUDE, weight_arithmetic=arith)
 
     def to_config(self) -> dict[str, Any]:
         """Flat ``quantization_config`` for a checkpoint's ``config.json`` (selects the plugin)."""
@@ -96,6 +108,7 @@ class QpassSGLangOptions:
             "qpass_act": self.act,
             "input_activations": None if self.act == "none" else {"dynamic": True, "per_token": self.act == "nvfp4_per_token"},
             "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier)",
+            "weight_arithmetic": self.weight_arithmetic,
             "exclude_modules": list(self.exclude),
             "rac": {s: dataclasses.asdict(c) for s, c in sorted(self.rac.items())},
         }
@@ -140,6 +153,6 @@ def _match(site: str, pattern: str) -> bool:
     return site == pattern or site.endswith("." + pattern)
 
 
-def checkpoint_quant_config(options: QpassSGLangOptions) -> dict[str, Any]:
+def checkpoint_quant_config(options: QpassQuantOptions) -> dict[str, Any]:
     """``{"quantization_config": ...}`` to merge into a checkpoint's ``config.json``."""
     return {"quantization_config": options.to_config()}

@@ -1,13 +1,14 @@
-"""The parameters a qpass NVFP4 linear registers in SGLang: the ``modelopt_fp4`` checkpoint contract.
+"""The parameters a qpass NVFP4 linear registers in an engine: the ``modelopt_fp4`` checkpoint contract.
 
-Pure python (no SGLang import), so the contract is testable everywhere and the SGLang plugin's
-``create_weights`` builds its parameters from this very table.
+Pure python (no engine import), so the contract is testable everywhere; the SGLang and vLLM plugins'
+``create_weights`` build their parameters from this very table (both engines share the parameter
+classes named below: ``sglang.srt.layers.parameter`` / ``vllm.model_executor.parameter``).
 
 Per linear layer partition (``K = input_size_per_partition``, ``N = sum(output_partition_sizes)``,
 ``S = len(output_partition_sizes)``: 3 for QKV, 2 for gate/up, 1 otherwise):
 
 =================  =======================  ==============  ===========================  =========
-name               SGLang parameter class   dtype           shape                        meaning
+name               engine parameter class   dtype           shape                        meaning
 =================  =======================  ==============  ===========================  =========
 ``weight``         ModelWeightParameter     uint8           ``[N, K/2]``  (in 1, out 0)  two E2M1 codes per byte, low nibble = even k
 ``weight_scale``   ModelWeightParameter     float8_e4m3fn   ``[N, K/16]`` (in 1, out 0)  E4M3 block scale (relative to the global)
@@ -39,9 +40,9 @@ class ParamSpec:
 
     Attributes:
         name: attribute name on the layer (and checkpoint tensor suffix).
-        kind: SGLang parameter class (``sglang.srt.layers.parameter``).
+        kind: engine parameter class (same name in ``sglang.srt.layers.parameter`` and ``vllm.model_executor.parameter``).
         dtype, shape: storage.
-        input_dim, output_dim: which dims SGLang's loaders shard (None for per-shard scalars).
+        input_dim, output_dim: which dims the engine loaders shard (None for per-shard scalars).
         fill: initial content: ``empty``, ``ones``, or ``unloaded`` (NaN in every element: the
             sentinel :func:`check_site_tensors` and the plugin refuse, so a scale the checkpoint or
             weight update never wrote cannot be served).

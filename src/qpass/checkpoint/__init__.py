@@ -1,0 +1,25 @@
+"""The checkpoint contract every engine plugin shares (pure python, no engine import).
+
+* :mod:`qpass.checkpoint.params` — the parameters an NVFP4 linear registers in an engine
+  (names, dtypes, shapes, sharded dims, "never loaded" sentinels) and the per-site tensor checks.
+  The SGLang and vLLM plugins build their parameters from this one table.
+* :mod:`qpass.checkpoint.qconfig` — the ``qpass_nvfp4`` ``quantization_config`` block
+  (activation mode, RAC per site, excluded modules, global-scale convention) that selects a
+  plugin from a checkpoint's ``config.json`` and tells it how to compute.
+"""
+
+from qpass.checkpoint.params import ParamSpec, check_site_tensors, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes
+from qpass.checkpoint.qconfig import METHOD_NAME, PACKED_MODULES, QpassQuantOptions, checkpoint_quant_config
+
+__all__ = [
+    "METHOD_NAME",
+    "PACKED_MODULES",
+    "ParamSpec",
+    "QpassQuantOptions",
+    "check_site_tensors",
+    "checkpoint_quant_config",
+    "linear_param_specs",
+    "make_tensor",
+    "mark_unloaded",
+    "nan_scale_bytes",
+]
