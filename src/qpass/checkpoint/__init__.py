@@ -6,9 +6,13 @@
 * :mod:`qpass.checkpoint.qconfig` — the ``qpass_nvfp4`` ``quantization_config`` block
   (activation mode, RAC per site, excluded modules, global-scale convention) that selects a
   plugin from a checkpoint's ``config.json`` and tells it how to compute.
+* :mod:`qpass.checkpoint.tensors` — master weights (HF names) -> checkpoint tensors with qpass's
+  quantizer (one amax per fused group), rollout outputs -> named tensors, fused-group and TP-shard
+  checks: what an initial load, a live weight update and ``qpass export`` all write.
 """
 
 from qpass.checkpoint.params import ParamSpec, check_site_tensors, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes
+from qpass.checkpoint.tensors import check_fused_global_scales, named_tensors_from_rollout, quantize_state_dict, tp_shard
 from qpass.checkpoint.qconfig import METHOD_NAME, PACKED_MODULES, QpassQuantOptions, checkpoint_quant_config
 
 __all__ = [
@@ -16,10 +20,14 @@ __all__ = [
     "PACKED_MODULES",
     "ParamSpec",
     "QpassQuantOptions",
+    "check_fused_global_scales",
     "check_site_tensors",
     "checkpoint_quant_config",
     "linear_param_specs",
     "make_tensor",
     "mark_unloaded",
     "nan_scale_bytes",
+    "named_tensors_from_rollout",
+    "quantize_state_dict",
+    "tp_shard",
 ]

@@ -23,7 +23,7 @@ import logging
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions, checkpoint_quant_config
 from qpass.checkpoint.params import ParamSpec, linear_param_specs
 from qpass.backends.sglang.plugin import plugin_classes, sglang_available
-from qpass.backends.sglang.weights import check_fused_global_scales, named_tensors_from_rollout, quantize_state_dict, tp_shard
+from qpass.checkpoint.tensors import check_fused_global_scales, named_tensors_from_rollout, quantize_state_dict, tp_shard
 
 log = logging.getLogger(__name__)
 

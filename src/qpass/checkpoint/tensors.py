@@ -1,6 +1,7 @@
-"""Checkpoint-format tensors for SGLang: initial load and RL weight updates (pure python).
+"""Checkpoint-format tensors for engines: initial load and RL weight updates (pure python).
 
-SGLang's RL update path (``begin_weight_update`` -> ``update_weights_from_tensor(named_tensors)`` ...
+The same tensors serve SGLang and vLLM (both load ``modelopt_fp4`` names through their fused-shard
+loaders). SGLang's RL update path (``begin_weight_update`` -> ``update_weights_from_tensor(named_tensors)`` ...
 -> ``end_weight_update``, prior-art/backends.md §1.4) feeds ``(name, tensor)`` pairs to the model's
 ``load_weights``, i.e. the **checkpoint** names and layouts; the model maps ``q/k/v_proj`` onto its
 fused ``qkv_proj`` (and ``gate/up_proj`` onto ``gate_up_proj``) with a shard id, and each shard's
@@ -128,7 +129,7 @@ def quantize_state_dict(
     state: Mapping[str, torch.Tensor], *, targets: Sequence[str] = ("*",), exclude: Sequence[str] = DEFAULT_EXCLUDE,
     process_group: object | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Trainer side: HF-named learner weights -> checkpoint-format named tensors for SGLang.
+    """Trainer side: HF-named learner weights -> checkpoint-format named tensors for an engine.
 
     Every 2-D ``<site>.weight`` whose site matches ``targets`` and not ``exclude`` and whose K is a
     multiple of 16 is quantized with :func:`qpass.quant.weights.quantize_site_weights` (fresh amax,
