@@ -14,6 +14,7 @@ import torch
 
 from qpass.backends import sglang as qsgl
 from qpass.checkpoint.qconfig import QpassQuantOptions
+from qpass.checkpoint.tensors import checkpoint_tensors
 from qpass.errors import QpassError, QuantizationError
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.rac import RACConfig
@@ -168,7 +169,7 @@ def test_tp_shards_decode_and_quantize_as_slices_of_the_full_weight(parallel):
     w = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.03).bfloat16()
     w[50, 3] = 0.7  # the amax lives in one shard only
     full = nvfp4_quantize(w)
-    tensors = qsgl.weights.checkpoint_tensors("m.proj", full)
+    tensors = checkpoint_tensors("m.proj", full)
     w_hat = nvfp4_dequantize(full)
     for rank in range(2):
         sh = {n.rsplit(".", 1)[1]: qsgl.tp_shard(n, t, tp_rank=rank, tp_size=2, parallel=parallel) for n, t in tensors.items()}
