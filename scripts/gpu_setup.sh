@@ -11,6 +11,9 @@ if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl || echo "!!! wheel install failed"
 fi
 export PYTHONPATH="$REPO/src":/tmp/site
+# 4-bit peers for qpass bench that are pure Python + Triton travel as source in .peers/ (ignored by
+# git, never committed; BENCHMARKS.md says how to fetch them): e.g. .peers/gemlite
+if [ -d "$REPO/.peers" ]; then export PYTHONPATH="$PYTHONPATH:$REPO/.peers"; fi
 export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 TRITON_CACHE_DIR=/tmp/qp_triton_cache
 # python -m / stdin never put the cwd on sys.path
 export PYTHONSAFEPATH=1

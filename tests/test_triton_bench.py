@@ -80,3 +80,9 @@ def test_bench_full_code_path_smoke_cpu(tmp_path):
     assert any(t["name"].startswith("RAC overhead") for t in data["targets"])
     rows = [r for r in data["rows"] if r["name"] == "w4a4 triton" and r["vs_bf16"] is not None]
     assert rows and all(r["time_us"] > 0 for r in rows)
+    # the 4-bit peer (torch tinygemm INT4 g128; its CPU twin here) is timed where K % 128 == 0, with its
+    # own error against its dequantized weight recorded (bf16 output rounding: ~3e-3), n/a elsewhere
+    peer = [r for r in data["rows"] if r["name"].startswith("int4 tinygemm")]
+    assert {r["k"] for r in peer if r["time_us"]} == {128} and all(r["mode"].startswith("n/a") for r in peer if r["k"] == 96)
+    assert all(0 < r["extra"]["rel_err_vs_own_dequant"] < 1e-2 and r["vs_bf16"] for r in peer if r["time_us"])
+    assert any("vs the best 4-bit peer" in t["name"] for t in data["targets"])

@@ -7,6 +7,9 @@ Every figure is a ratio against something timed in the same process on the same 
   fastest native Hopper GEMM; its activation quantization is *not* timed),
 * the **plain-torch reference chain** (``qpass.quant.linear`` / ``qpass.quant.rac``, the semantics
   the kernels implement),
+* **4-bit peers** (:mod:`.peers`): torch's tinygemm INT4 (``_weight_int4pack_mm``) and, when
+  installed, GemLite's A16W4 INT4 Triton GEMM, both on an INT4 g128 quantization of the same weight
+  (a different format: a speed bar for the W4A16 kernels, with each peer's own error recorded),
 * the **roofline**: bytes the operation must move / measured device-copy bandwidth, and FLOPs /
   measured BF16 (or FP8) ``torch`` matmul rate, both measured at the start of the run.
 
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 
 from qpass.atomic import write_atomic
+from qpass.backends.triton.peers import GROUP, PEERS, gemlite_available, int4_g128_quantize
 from qpass.jsonio import write_json
 
 L2_BYTES = 60 * 2**20  # H200
@@ -413,13 +417,26 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             lambda i: (inp.x.clone() if i else inp.x,),
             lambda x: w4a4_linear_reference(x, w4, act_spec=NVFP4_ACT, w_hat=w_hat), x_b, False, w4_b + x_b + out_b),
     }
+    for name in PEERS:
+        if name in contenders and k % GROUP:
+            res.add(Row(section, name, m, n, k, mode=f"n/a (K % {GROUP} != 0)"))
+        elif name in contenders:
+            try:
+                table[name] = _peer_contender(name, inp, x_b, out_b)
+            except Exception as exc:  # noqa: BLE001 - a peer that does not build here is reported, not fatal
+                res.errors.append(f"{section} / {name} M={m} N={n} K={k}: {type(exc).__name__}: {str(exc)[:300]}")
+                res.add(Row(section, name, m, n, k, mode="failed"))
     if "torch chain w4a4 (qpass.quant.linear)" in contenders:
         w_hat = nvfp4_dequantize(w4, torch.bfloat16)
     times: dict[str, float] = {}
     rows: dict[str, Row] = {}
+    peer_err = {name: {"rel_err_vs_own_dequant": table[name][5]} for name in PEERS if name in table}
+    table = {name: t[:5] for name, t in table.items()}
     for name in contenders:
         if not budget.ok():
             res.add(Row(section, name, m, n, k, mode="skipped (budget)"))
+            continue
+        if name not in table:  # a peer that failed to build (recorded above)
             continue
         make, fn, set_bytes, graphs, roof_bytes = table[name]
         try:
@@ -431,7 +448,8 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             continue
         times[name] = t
         rows[name] = res.add(Row(section, name, m, n, k, time_us=t, mode=mode,
-                                 roofline_frac=_roof_us(roof_bytes, flops, cal, fp8="fp8" in name) / t))
+                                 roofline_frac=_roof_us(roof_bytes, flops, cal, fp8="fp8" in name) / t,
+                                 extra=dict(peer_err.get(name, {}))))
     for name, row in rows.items():
         if "bf16 cuBLAS" in times:
             row.vs_bf16 = times["bf16 cuBLAS"] / row.time_us
@@ -439,6 +457,31 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             row.vs_fp8 = times["fp8 _scaled_mm (per-tensor)"] / row.time_us
         if "torch chain w4a4 (qpass.quant.linear)" in times and "triton" in name:
             row.vs_torch = times["torch chain w4a4 (qpass.quant.linear)"] / row.time_us
+
+
+def _peer_contender(name: str, inp: GemmInputs, x_b: int, out_b: int) -> tuple:
+    """A bench entry for peer ``name`` (:mod:`.peers`) on the INT4 g128 quantization of this shape's weight.
+
+    Returns the table tuple plus the peer's relative error against ``x @ w_hat^T`` (fp64) as a sixth
+    element, so a wrong packing is visible in the results instead of a fast wrong kernel.
+    """
+    import copy
+
+    from qpass.backends.triton.peers import PEERS
+
+    wq = int4_g128_quantize(inp.w_bf16)
+    fn, state = PEERS[name](wq)
+    y = fn(inp.x, *state)
+    ref = inp.x.double() @ wq.dequantize().double().t()
+    err = float((y.double() - ref).norm() / ref.norm())
+    n, k = inp.w_bf16.shape
+    w_b = n * k // 2 + 2 * 2 * n * (k // wq.group_size)  # int4 codes + bf16 scale and zero per group
+
+    def make(i):
+        st = state if not i else tuple(s.clone() if isinstance(s, torch.Tensor) else copy.deepcopy(s) for s in state)
+        return (inp.x.clone() if i else inp.x, *st)
+
+    return make, fn, w_b + x_b, True, w_b + x_b + out_b, err
 
 
 def _dev() -> torch.device:
@@ -477,6 +520,21 @@ def _targets(res: Results) -> None:
             tg.append({"name": f"{kern} decode M<=16, 8B shapes, vs BF16", "goal": ">= 2.5x",
                        "measured": f"min {min(vals):.2f}x, geomean {geo(vals):.2f}x over {len(vals)}",
                        "met": min(vals) >= 2.5})
+    dec_sec = "decode (Llama-8B shapes)"
+    peer_rows = [r for r in res.rows if r.section == dec_sec and r.name in PEERS and r.time_us]
+    for m in sorted({r.m for r in peer_rows}):
+        best: dict[tuple[int, int], Row] = {}  # fastest peer per (N, K) at this M
+        for r in (r for r in peer_rows if r.m == m):
+            if (r.n, r.k) not in best or r.time_us < best[(r.n, r.k)].time_us:
+                best[(r.n, r.k)] = r
+        for kern in ("w4a16 triton", "w4a16 triton [lut decode]"):
+            ratios = [b.time_us / o.time_us for (n_, k_), b in best.items()
+                      for o in [res.find(dec_sec, kern, m, n_, k_)] if o is not None and o.time_us]
+            if ratios:
+                tg.append({"name": f"{kern} decode M={m}, 8B shapes, vs the best 4-bit peer of the same run",
+                           "goal": ">= 1.0x", "measured": f"min {min(ratios):.2f}x, geomean {geo(ratios):.2f}x over "
+                           f"{len(ratios)} (peers: {', '.join(sorted({b.name for b in best.values()}))})",
+                           "met": min(ratios) >= 1.0})
     for kern in ("w4a4 triton", "w4a4 triton [lut decode]"):
         vals = [r.vs_bf16 for r in res.rows if r.section == "prefill (Llama-8B shapes)" and r.name == kern
                 and r.m >= 4096 and r.vs_bf16]
@@ -536,7 +594,7 @@ def run_full(args) -> Results:
     budget = Budget(args.budget_s)
     if SMOKE["on"]:
         res.meta.update(mode="smoke (CPU interpreter, toy sizes, no timings)", device="cpu")
-        llama, moe, smol, act_mk = [(64, 96)], [(48, 32)], [(32, 48)], (64, 128)
+        llama, moe, smol, act_mk = [(64, 96), (32, 128)], [(48, 32)], [(32, 48)], (64, 128)
         dec_m, pre_m, big_m = (1, 4), 32, 48
     else:
         dev = torch.device("cuda")
@@ -568,6 +626,10 @@ def run_full(args) -> Results:
 
     base = ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a16 triton", "w4a4 triton", "w4a16 triton [lut decode]",
             "w4a4 triton [lut decode]")
+    peers = tuple(p for p in PEERS if "gemlite" not in p or gemlite_available())
+    res.meta["peers"] = list(peers)
+    if len(peers) < len(PEERS):
+        res.meta["peers_not_installed"] = [p for p in PEERS if p not in peers]
     dec = "decode (Llama-8B shapes)"
     pre = "prefill (Llama-8B shapes)"
     step("act quant", bench_act_quant, res, cal, budget, *act_mk)
@@ -577,7 +639,7 @@ def run_full(args) -> Results:
         for n, k in llama:
             extra = ("w4a4+RAC50 gathered/batch triton",) + mma if m == dec_m[-1] else ()
             extra += ("torch chain w4a4 (qpass.quant.linear)",) if (m, n, k) == (dec_m[-1], n0, k0) else ()
-            step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k, base + extra)
+            step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k, base + peers + extra)
     for n, k in llama:
         extra = mma + ("w4a4+RAC50 gathered/batch triton", "w4a4+RAC50 gathered/batch triton [mma accum]")
         extra += ("fp8 block W8A8 (act quant + GEMM)",) if (n, k) == (n0, k0) else ()
@@ -586,7 +648,7 @@ def run_full(args) -> Results:
         for m in (8, 32, 64, 128):
             for n, k in llama:
                 step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k,
-                     ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+                     ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton") + peers)
         step("prefill M=1024 torch chain", bench_gemm_point, res, cal, budget, pre, 1024, n0, k0,
              ("bf16 cuBLAS", "w4a4 triton", "torch chain w4a4 (qpass.quant.linear)"))
         for n, k in llama[1:]:
