@@ -7,7 +7,7 @@ name        registers                              needs
 triton      ``kernels`` entries (``qpass::nvfp4_linear``, ``qpass::fp8_linear``), quantizers   ``triton``
 onnx        ``onnx`` emitters for every spec       ``onnx``, ``ml_dtypes``
 sglang      the ``qpass_nvfp4`` method in SGLang   ``sglang`` (its checkpoint helpers need only torch)
-megatron    the NVFP4 fake-quant learner hooks     ``megatron-core``
+megatron    ``megatron`` learner engine, hooks     ``megatron-core``
 ==========  =====================================  ============================================
 """
 
@@ -20,7 +20,8 @@ TRITON = ModuleBackend("triton", "qpass.backends.triton.registry", ("triton",),
 ONNX = ModuleBackend("onnx", "qpass.backends.onnx", ("onnx", "ml_dtypes"), "pip install 'qpass[onnx]'")
 SGLANG = ModuleBackend("sglang", "qpass.backends.sglang", ("sglang",), "pip install 'qpass[sglang]'",
                        hook="qpass.backends.sglang:register")
-MEGATRON = ModuleBackend("megatron", "qpass.backends.megatron", ("megatron",), "pip install 'qpass[megatron]' (megatron-core==0.16.1)")
+MEGATRON = ModuleBackend("megatron", "qpass.backends.megatron", ("megatron",), "pip install 'qpass[megatron]' (megatron-core==0.16.1)",
+                         hook="qpass.backends.megatron:register")
 
 BUILTIN = (TRITON, ONNX, SGLANG, MEGATRON)
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.quant.nvfp4 import NVFP4Tensor
 from qpass.quant.weights import quantize_site_weights
 from qpass.runtime.served import ServedSite
 
@@ -41,6 +42,47 @@ def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
         return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
     ne = (a != b).nonzero()
     return f"{len(ne)}/{a.numel()} differ (first at {tuple(ne[0].tolist())})"
+
+
+def _compare(sid: str, q: NVFP4Tensor, s: ServedSite) -> list[str]:
+    """``"site: what differs"`` for the codes, scale bytes and global-scale bits of ``q`` vs ``s``."""
+    bad = []
+    dev = s.codes.device
+    for what, mine, theirs in (
+        ("codes", q.codes.to(dev), s.codes),
+        ("scale bytes", q.scales.to(dev).view(torch.uint8), s.scales.view(torch.uint8)),
+        ("global scale bits", q.s_dec.to(dev).float().reshape(-1).view(torch.int32),
+         s.global_scale.float().reshape(-1).view(torch.int32) if s.global_scale is not None else torch.empty(0, dtype=torch.int32)),
+    ):
+        if mine.shape != theirs.shape or not torch.equal(mine, theirs):
+            bad.append(f"{sid}: {what} {_first_diff(mine, theirs)}")
+    return bad
+
+
+@torch.no_grad()
+def check_learner_bytes(learner_sites: Mapping[str, NVFP4Tensor], served: Mapping[str, ServedSite]) -> ServedCheck:
+    """Compare the NVFP4 weights a learner's fake-quantized forward uses (per site, e.g.
+    ``MegatronLearner.fake_quant_sites()``) with the bytes the rollout engine serves.
+
+    Every served NVFP4 site must have a learner entry (a missing one is a mismatch naming it);
+    learner sites the engine does not serve as NVFP4 are ignored.
+
+    Returns:
+        :class:`ServedCheck` (``skipped``: served sites of other formats).
+    """
+    bad: list[str] = []
+    checked = skipped = 0
+    for sid in sorted(served):
+        s = served[sid]
+        if s.format != "nvfp4":
+            skipped += 1
+            continue
+        if sid not in learner_sites:
+            bad.append(f"{sid}: the learner does not fake-quantize this served NVFP4 site")
+            continue
+        checked += 1
+        bad += _compare(sid, learner_sites[sid], s)
+    return ServedCheck(not bad, checked, skipped, tuple(bad))
 
 
 @torch.no_grad()
@@ -73,17 +115,7 @@ def check_served_weights(weights: Mapping[str, torch.Tensor], served: Mapping[st
         quantized = quantize_site_weights(NVFP4_WEIGHT, {s: weights[f"{s}.weight"] for s in sids},
                                           names={s: f"{s}.weight" for s in sids})
         for sid in sids:
-            q = quantized[sid].tensor
-            s = served[sid]
             checked += 1
-            dev = s.codes.device
-            for what, mine, theirs in (
-                ("codes", q.codes.to(dev), s.codes),
-                ("scale bytes", q.scales.to(dev).view(torch.uint8), s.scales.view(torch.uint8)),
-                ("global scale bits", q.s_dec.to(dev).float().reshape(-1).view(torch.int32),
-                 s.global_scale.float().reshape(-1).view(torch.int32) if s.global_scale is not None else torch.empty(0, dtype=torch.int32)),
-            ):
-                if mine.shape != theirs.shape or not torch.equal(mine, theirs):
-                    bad.append(f"{sid}: {what} {_first_diff(mine, theirs)}")
+            bad += _compare(sid, quantized[sid].tensor, served[sid])
     bad.sort(key=lambda m: m.split(":")[0])
     return ServedCheck(not bad, checked, skipped, tuple(bad))

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -65,6 +65,9 @@ class MasterOptimizer:
         lr, betas, eps, weight_decay: :class:`torch.optim.AdamW` options.
         master_dtype: dtype of the master copies; parameters already in this dtype are stepped in
             place (no copy). ``None`` steps every parameter in its own dtype.
+        grad_norm_fn: ``fn(params, master_grads) -> 0-dim tensor``, the global gradient L2 norm when
+            the parameters are shards of a larger model (a tensor-parallel learner reduces it over
+            its ranks); None: the norm of these gradients (``clip_grad_norm_``).
     Raises:
         ValueError: no parameters, or a non-positive/non-finite ``lr``.
     """
@@ -78,7 +81,9 @@ class MasterOptimizer:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         master_dtype: torch.dtype | None = torch.float32,
+        grad_norm_fn: Callable[[list[torch.nn.Parameter], list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:
+        self.grad_norm_fn = grad_norm_fn
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("MasterOptimizer: no trainable parameters")
@@ -111,16 +116,26 @@ class MasterOptimizer:
             ``grad_norm`` (before clipping), ``skipped`` (1.0 if not stepped), ``n_changed``
             (parameter elements whose stored value changed), ``changed_frac``.
         """
-        grads = []
+        grads, owners = [], []
         for p, m in zip(self.params, self.master):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.to(m.dtype)
             if m.grad is not None:
                 grads.append(m.grad)
-        if not grads:
+                owners.append(p)
+        if self.grad_norm_fn is None and not grads:
             return {"grad_norm": 0.0, "skipped": 1.0, "n_changed": 0.0, "changed_frac": 0.0}
         max_norm = math.inf if grad_clip is None else float(grad_clip)
-        norm = float(torch.nn.utils.clip_grad_norm_([m for m in self.master if m.grad is not None], max_norm))
+        with_grad = [m for m in self.master if m.grad is not None]
+        if self.grad_norm_fn is None:
+            norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+        else:  # every shard of a sharded model calls this (a collective), with or without gradients
+            total = self.grad_norm_fn(owners, grads)
+            norm = float(total)
+            if not grads:
+                return {"grad_norm": norm, "skipped": 1.0, "n_changed": 0.0, "changed_frac": 0.0}
+            if math.isfinite(norm):
+                torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
         if not math.isfinite(norm):
             return {"grad_norm": norm, "skipped": 1.0, "n_changed": 0.0, "changed_frac": 0.0}
         olds = [p.detach().clone() for p, m in zip(self.params, self.master) if m is p]

@@ -1,4 +1,10 @@
-"""Megatron-core learner backend: NVFP4 weight fake-quant with STE on Column/RowParallelLinear.
+"""Megatron-core learner backend: the learner as a Megatron-core ``GPTModel`` (``MegatronLearner``,
+learner-engine name ``"megatron"``, registered by :func:`register`), with NVFP4 weight fake-quant
+with STE on its Column/RowParallelLinear layers.
+
+Modules: ``config`` (HF Llama config -> GPTModel, refusals), ``convert`` (weights HF <-> TP shards),
+``model`` (build, load, forward), ``plan`` (qpass's learner recipe -> patched modules), ``fake_quant``
+(the hooks), ``dist`` (TP process layout), ``learner`` (the engine).
 
 The global amax is recomputed every forward and all-reduced with MAX over the tensor-parallel
 group (and covers a fused layer's q/k/v or gate/up shards), so every rank quantizes its shard
@@ -20,6 +26,15 @@ from qpass.backends.megatron.fake_quant import (
 )
 
 
+def register() -> None:
+    """Register :class:`~qpass.backends.megatron.learner.MegatronLearner` as learner engine
+    ``"megatron"`` (idempotent; called by ``qpass.apps.plugins.load_backends(["megatron"])``)."""
+    from qpass.backends.megatron.learner import MegatronLearner
+    from qpass.runtime.engine import register_learner_engine
+
+    register_learner_engine("megatron")(MegatronLearner)
+
+
 def megatron_available() -> bool:
     """True if ``megatron.core`` is importable."""
     import importlib.util
@@ -35,6 +50,7 @@ __all__ = [
     "fake_quant_weight",
     "group_amax_of",
     "megatron_available",
+    "register",
     "split_megatron_fc1",
     "split_megatron_qkv",
 ]
