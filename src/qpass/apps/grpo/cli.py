@@ -68,6 +68,12 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     add_dtype(g)
     g.add_argument("--kernels", default="reference", choices=["reference", "triton"], help="rollout kernel backend")
+    g.add_argument("--learner", default="qpass", choices=["qpass", "megatron"],
+                   help="learner engine: qpass's learner graph (default) or a Megatron-core GPTModel (backend 'megatron')")
+    g.add_argument("--tp", type=_pos_int, default=1, help="tensor-parallel size of the Megatron learner (ranks 1..N-1 are "
+                   "worker processes; rank 0 also drives the rollout)")
+    g.add_argument("--megatron-timeout-s", type=_pos_float, default=300.0,
+                   help="collective timeout of the Megatron learner's ranks (a rank that stops answering fails the run)")
     g.add_argument("--seed", type=int, default=D.seed)
     add_force(g, "summary.json", "--overwrite")
     g.add_argument("--keep-partial", action="store_true", help="on error/Ctrl-C keep what was written as DIR.partial")
@@ -249,10 +255,16 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
             }
             write_json_atomic(tmp / "config.json", config)
             write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
-            trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
-                                  shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
-                                  layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name)
-            res = trainer.run(progress=not a.no_progress)
+            with _learner_engine(a, pipe, learner) as engine:
+                if engine is not None:
+                    config["learner_engine"] = {"name": engine.name, "tp": a.tp, "timeout_s": a.megatron_timeout_s,
+                                                "fake_quant_modules": len(getattr(engine, "plan", {}))}
+                    write_json_atomic(tmp / "config.json", config)
+                trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
+                                      shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
+                                      layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
+                                      learner_engine=engine)
+                res = trainer.run(progress=not a.no_progress)
             last = res.rows[-1] if res.rows else {}
             keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
                     "clip/frac", "reward/mean", "eval/accuracy", "parity/fp_ok", "parity/bitexact_ok", "vis/code_frac")
@@ -265,7 +277,8 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                                                                                     "shadow_gap/token/g_abs", "clip/frac")},
                 "reward_failures": trainer.reward.stats(),
                 "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
-                and all(r.get("parity/bitexact_ok", True) for r in rows),
+                and all(r.get("parity/bitexact_ok", True) for r in rows)
+                and all(r.get("parity/served_ok", True) and r.get("parity/learner_bytes_ok", True) for r in rows),
             }
             write_json_atomic(tmp / "summary.json", summary)
             if not a.no_plots and rows:
@@ -274,6 +287,42 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     finally:
         if out_dir.kept is not None:
             print(f"qpass grpo: output of {recipe.name} kept in {out_dir.kept}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _learner_engine(a: argparse.Namespace, pipe: Any, learner: Any) -> Any:
+    """The ``--learner`` engine for one recipe (None: the built-in one over ``learner``), closed after
+    the run (a Megatron learner's worker processes stop with it)."""
+    if a.learner == "qpass":
+        yield None
+        return
+    from qpass.runtime.engine import make_learner_engine
+
+    engine = make_learner_engine(a.learner, hf_model=pipe.loaded.model, tp=a.tp, device=a.device,
+                                 learner_sites=learner.quant, timeout_s=a.megatron_timeout_s)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def _check_learner_args(a: argparse.Namespace) -> None:
+    """``--learner`` / ``--tp`` combinations refused before any model is loaded."""
+    if a.learner == "qpass" and a.tp != 1:
+        raise CliError("--tp needs --learner megatron (the qpass learner graph is not sharded)")
+    if a.learner != "qpass" and a.beta > 0:
+        raise CliError(f"--beta > 0 needs a reference policy; --learner {a.learner} has none here (use --beta 0)")
+
+
+def _check_learner_model(a: argparse.Namespace, hf_config: Any) -> None:
+    """The model's config against the ``--learner`` backend, before any learner process starts."""
+    if a.learner == "megatron":
+        from qpass.backends.megatron.config import MegatronConfigError, layout_from_hf
+
+        try:
+            layout_from_hf(hf_config, tp=a.tp)
+        except MegatronConfigError as exc:
+            raise CliError(f"--learner megatron --tp {a.tp}: {exc}") from None
 
 
 def _mean(xs: list[Any]) -> float | None:
@@ -322,6 +371,12 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             load_backends([a.kernels])  # the one registration path
         except (_QpassError, ImportError) as exc:
             raise CliError(f"--kernels {a.kernels}: {exc}") from exc
+        _check_learner_args(a)
+        if a.learner != "qpass":
+            try:
+                load_backends([a.learner])
+            except (_QpassError, ImportError) as exc:
+                raise CliError(f"--learner {a.learner}: {exc}") from exc
     except CliError as exc:
         ap.print_usage(sys.stderr)
         print(f"qpass grpo: error: {exc}", file=sys.stderr)
@@ -344,6 +399,7 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             raise CliError(f"task: {exc}") from exc
         lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
+        _check_learner_model(a, lm.model.config)
         need = _max_prompt_len(lm.tokenizer, task, DEFAULT_TEMPLATE) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
         max_len = a.max_len or int(math.ceil(need / 16) * 16)
         if max_len < need:
@@ -394,6 +450,8 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         return 2
     except QpassError as exc:  # the shared exit-code map: ParityError 1, other qpass errors (bad input) 2
         print(f"qpass grpo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if type(exc).__name__ == "MegatronRankError":  # a learner rank died: a failed run, not bad input
+            return 1
         return exit_status(exc)
     return 1 if failed else 0
 

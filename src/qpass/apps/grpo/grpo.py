@@ -322,6 +322,17 @@ class GRPOTrainer:
         metrics_path, layerwise_path, eval_path: JSONL files to append to (None: not written).
         template: user-message template of the task prompts.
         recipe_name: label for progress output.
+        learner_engine: a :class:`qpass.runtime.engine.LearnerEngine` that computes ``p`` and is
+            trained instead of the built-in engine over ``learner`` (e.g. ``make_learner_engine(
+            "megatron", ...)``); ``learner`` then mirrors its weights: after every export the
+            exported weights are copied into it, so the graph-side checks and diagnostics
+            (fingerprints, bit-exact check, BF16 shadow, layer-wise probe) read the weights that
+            were trained. Every step also runs :func:`qpass.parity.served.check_served_weights`
+            on the exported weights and, when the engine has ``fake_quant_sites()``, compares the
+            NVFP4 bytes its own forward uses with the served ones
+            (:func:`qpass.parity.served.check_learner_bytes`). The optimizer comes from the
+            engine's ``make_optimizer(MasterOptimizer, ...)`` when it has one (a sharded learner
+            steps on every rank). ``loss.beta > 0`` is refused (no reference policy for it).
     Raises:
         ValueError: bad graph kinds, no tokenizer ids, ``cfg.shadow`` without ``shadow_base``,
             ``minibatches`` larger than the number of micro-batches, or eval problems missing.
@@ -342,6 +353,7 @@ class GRPOTrainer:
         eval_path: str | Path | None = None,
         template: str = DEFAULT_TEMPLATE,
         recipe_name: str = "",
+        learner_engine: Any = None,
     ) -> None:
         from qpass.runtime.engine import make_learner_engine, make_rollout_engine
 
@@ -355,7 +367,11 @@ class GRPOTrainer:
         if pad is None or eos is None:
             raise ValueError("the tokenizer needs pad_token_id and eos_token_id")
         self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-        self.le = make_learner_engine("qpass", qg=learner)
+        self.external = learner_engine is not None
+        if self.external and cfg.loss.beta > 0:
+            raise ValueError("GRPOConfig.loss.beta > 0 needs a reference policy, which an external learner engine "
+                             f"({getattr(learner_engine, 'name', '?')}) does not provide here")
+        self.le = learner_engine if self.external else make_learner_engine("qpass", qg=learner)
         self.ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
         self.pad = int(pad)
         self.micro = cfg.micro_batch_size or self.ro.batch_size
@@ -365,9 +381,13 @@ class GRPOTrainer:
             raise ValueError(f"GRPOConfig.minibatches={cfg.minibatches} exceeds the {n_micro} micro-batches of "
                              f"{n_rows} rows (micro_batch_size={self.micro})")
         self.reward = reward_fn if isinstance(reward_fn, SafeReward) else safe_reward(reward_fn or exact_answer_reward)
-        params = [p for p in self.le.parameters() if p.requires_grad]
-        self.opt = MasterOptimizer(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                                   master_dtype=torch.float32 if cfg.master_dtype == "fp32" else None)
+        opt_kw = dict(lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                      master_dtype=torch.float32 if cfg.master_dtype == "fp32" else None)
+        make_opt = getattr(self.le, "make_optimizer", None)
+        if make_opt is not None:
+            self.opt = make_opt(MasterOptimizer, **opt_kw)
+        else:
+            self.opt = MasterOptimizer([p for p in self.le.parameters() if p.requires_grad], **opt_kw)
         self.ref = None
         if cfg.loss.beta > 0:
             ref_qg = learner.clone("learner")
@@ -454,11 +474,46 @@ class GRPOTrainer:
                         "parity/bitexact_failures": br.failures()[:5], "time/initial_check_s": time.perf_counter() - t0})
             if not (st.ok and br.ok):
                 self._parity_failure(f"initial parity failed: {st.problems[:3]} {br.failures()[:3]}")
+        if self.cfg.initial_check and self.external:
+            served = self._served_checks(self.le.export_weights())
+            out.update(served)
+            if not (served["parity/served_ok"] and served.get("parity/learner_bytes_ok", True)):
+                self._parity_failure(f"initial served-bytes check failed: {served['parity/served_mismatches'][:3]} "
+                                     f"{served.get('parity/learner_bytes_mismatches', [])[:3]}")
         if self._eval_set is not None:
             out.update(self._eval(0))
         if self.cfg.diag_every:
             out.update(self._layerwise(0))
         return out
+
+    def _mirror(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy an external learner's exported weights into the learner graph (see ``learner_engine``)."""
+        from qpass.errors import QpassError
+        from qpass.graph.capture import site_of
+
+        params = dict(self.learner_qg.gm.named_parameters(remove_duplicate=False))
+        missing = sorted(site_of(a) for a in params if site_of(a) not in weights)
+        if missing:
+            raise QpassError(f"learner engine {self.le.name}: export_weights() lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+        with torch.no_grad():
+            for a, p in params.items():
+                p.copy_(weights[site_of(a)].to(device=p.device, dtype=p.dtype))
+
+    def _served_checks(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Bit-level parity through the engine protocols: served bytes vs qpass's quantizer of the
+        exported weights, and vs the external learner's own fake-quant bytes."""
+        from qpass.parity.served import check_learner_bytes, check_served_weights
+
+        served = self.ro.served_weights()
+        chk = check_served_weights(weights, served)
+        row: dict[str, Any] = {"parity/served_ok": chk.ok, "parity/served_checked": chk.checked,
+                               "parity/served_mismatches": list(chk.mismatches[:5])}
+        sites = getattr(self.le, "fake_quant_sites", None)
+        if sites is not None and self.aligned:
+            lb = check_learner_bytes(sites(), served)
+            row.update({"parity/learner_bytes_ok": lb.ok, "parity/learner_bytes_checked": lb.checked,
+                        "parity/learner_bytes_mismatches": list(lb.mismatches[:5])})
+        return row
 
     def final_checks(self) -> dict[str, Any]:
         """The last-step checks (bit-exact parity, eval, layer-wise probe) for a run that stopped early."""
@@ -657,7 +712,10 @@ class GRPOTrainer:
 
         # 5. sync and verify
         t0 = time.perf_counter()
-        rep = self.ro.update_weights(self.le.export_weights())
+        weights = self.le.export_weights()
+        if self.external:
+            self._mirror(weights)
+        rep = self.ro.update_weights(weights)
         row.update({"parity/sync_copied": rep.copied, "parity/sync_requantized": rep.requantized,
                     "time/sync_s": time.perf_counter() - t0})
         t0 = time.perf_counter()
@@ -671,6 +729,14 @@ class GRPOTrainer:
                         "parity/bitexact_failures": br.failures()[:5]})
             if not br.ok:
                 failures.append(f"bit-exact: {br.failures()[:3]}")
+        if self.external:
+            sv = self._served_checks(weights)
+            row.update(sv)
+            if not sv["parity/served_ok"]:
+                failures.append(f"served bytes vs exported weights: {sv['parity/served_mismatches'][:3]}")
+            if not sv.get("parity/learner_bytes_ok", True):
+                failures.append(f"served bytes vs learner fake-quant bytes: {sv['parity/learner_bytes_mismatches'][:3]}")
+        del weights
         row["time/verify_s"] = time.perf_counter() - t0
 
         # update visibility
