@@ -60,7 +60,7 @@ class RankState:
         del hf
         mods = dict(self.model.named_modules())
         self.fq = {}
-        for name, sites in setup.plan.items():
+        for name in setup.plan:
             enable_nvfp4_weight_fake_quant(mods[name], site=name)
             self.fq[name] = mods[name]
         for p in self.model.parameters():
@@ -282,6 +282,9 @@ class MegatronLearner:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` (model dtype) of int64 ``input_ids`` ``[B, T]``, 0/1 mask ``[B, T]``
         (left padding), with autograd when grad mode is on (every rank runs the forward)."""
+        from qpass.backends.megatron.model import check_left_padded
+
+        check_left_padded(attention_mask)  # on rank 0, before any rank sees the batch
         grad = torch.is_grad_enabled()
         logits = self._call("forward", input_ids, attention_mask, grad)
         rt = self._runtime

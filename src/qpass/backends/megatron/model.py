@@ -17,7 +17,7 @@ from qpass.backends.megatron.convert import hf_to_mcore, partition_dims
 from qpass.errors import QpassError
 from qpass.sampling import positions_from_mask
 
-__all__ = ["build_gpt_model", "gpt_logits", "load_hf_shard", "transformer_config"]
+__all__ = ["build_gpt_model", "check_left_padded", "gpt_logits", "load_hf_shard", "transformer_config"]
 
 
 def transformer_config(layout: LlamaLayout, *, dtype: torch.dtype, use_cpu_initialization: bool = True):  # noqa: ANN201
@@ -171,6 +171,22 @@ def _attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return causal[None, None] | pad
 
 
+def check_left_padded(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Leading pads per row (int64 ``[B]``) of a 0/1 ``[B, T]`` mask.
+
+    Raises:
+        QpassError: a row has padding between real tokens (Megatron's positions would differ from HF's).
+    """
+    mask = attention_mask.long()
+    t = mask.shape[-1]
+    lead = (mask.cumsum(-1) == 0).sum(-1)
+    ar = torch.arange(t, device=mask.device)
+    if bool((mask.bool() & (positions_from_mask(mask) != (ar - lead[:, None]))).any()):
+        raise QpassError("Megatron learner: attention_mask has padding between real tokens; only left padding "
+                         "(and padding after the last real token) is supported")
+    return lead
+
+
 def gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
     """Logits ``[B, T, vocab]`` (model dtype; TP-gathered, padded vocabulary rows cut) of int64
     ``input_ids`` ``[B, T]`` with a 0/1 ``attention_mask`` ``[B, T]`` (left padding allowed).
@@ -185,13 +201,8 @@ def gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     """
     b, t = input_ids.shape
     mask = attention_mask.long()
-    lead = (mask.cumsum(-1) == 0).sum(-1)  # leading pads per row
+    lead = check_left_padded(mask)
     ar = torch.arange(t, device=input_ids.device)
-    pos = positions_from_mask(mask)
-    real = mask.bool()
-    if bool((real & (pos != (ar - lead[:, None]))).any()):
-        raise QpassError("Megatron learner: attention_mask has padding between real tokens; only left padding "
-                         "(and padding after the last real token) is supported")
     src = (ar[None, :] + lead[:, None]) % t  # rolled row: token j of the shifted row is token j + lead
     ids = input_ids.gather(1, src)
     m = mask.gather(1, src)
