@@ -10,6 +10,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from qpass.backends.megatron import megatron_available
 
@@ -79,3 +80,27 @@ def test_cli_grpo_megatron_refuses_before_any_work(tiny_cli, tmp_path, capsys, e
     assert main(args) == 2
     assert words in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_trainer_with_a_tp1_megatron_learner_one_step(tiny_pipeline):
+    """TP=1 (what the H200 script runs): in-process learner, the optimizer is MasterOptimizer itself."""
+    from qpass.apps.grpo.weights import MasterOptimizer
+    from qpass.backends.megatron.learner import MegatronLearner
+
+    from tests.test_grpo import text_hash_reward, tiny_cfg, tiny_trainer
+
+    from qpass.recipe import load_recipe
+
+    learner, _ = tiny_pipeline.build(load_recipe("quads_nvfp4"))
+    before = {n: p.detach().clone() for n, p in tiny_pipeline.loaded.model.named_parameters()}  # the HF weights
+    with MegatronLearner(tiny_pipeline.loaded.model, tp=1, learner_sites=learner.quant) as le:
+        tr = tiny_trainer(tiny_pipeline, "quads_nvfp4", tiny_cfg(steps=1, eval_every=0, diag_every=0), learner_engine=le,
+                          reward_fn=text_hash_reward)
+        assert isinstance(tr.opt, MasterOptimizer) and tr.le is le
+        row = tr.step(final=True)
+        after = le.export_weights()
+    assert row["parity/served_ok"] and row["parity/learner_bytes_ok"] and row["parity/learner_bytes_checked"] == 14
+    assert row["parity/fp_ok"] and row["parity/bitexact_ok"] and row["opt/steps"] >= 1
+    assert any(not torch.equal(after[n], before[n]) for n in before)  # Megatron's step moved the weights
+    lp = dict(tr.learner_qg.gm.named_parameters())
+    assert all(torch.equal(lp[f"model.{n}"], after[n]) for n in before)  # qpass's learner graph mirrors them
