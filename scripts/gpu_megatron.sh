@@ -16,7 +16,8 @@
 # (-> .whl/megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, 2.6 MB)
 # and carry ".whl" (and ".model" for the GGUF parts, as for the other gpu_*.sh scripts).
 #
-# Knobs (environment): STEPS (2) PROMPTS (4) GROUP (4) MAX_NEW (24) PARITY_S (240) GRPO_S (200)
+# Knobs (environment): STEPS (2) PROMPTS (4) GROUP (4) MAX_NEW (24) PARITY_S (270) GRPO_S (170)
+#   DEVICE (cuda; "cpu" for a dry run of the same steps)
 set -u
 set -o pipefail
 REPO="$(pwd)"
@@ -29,35 +30,35 @@ fi
 python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" 2>&1 | tee "$OUT/megatron/env.txt" \
   || { echo "FAIL: megatron.core is not importable: put the cp312 megatron_core-0.16.1 wheel in .whl/ (see the header)"; exit 2; }
 MODEL="${QPASS_MODEL:-default}"
-STEPS="${STEPS:-2}" PROMPTS="${PROMPTS:-4}" GROUP="${GROUP:-4}" MAX_NEW="${MAX_NEW:-24}"
+DEVICE="${DEVICE:-cuda}" STEPS="${STEPS:-2}" PROMPTS="${PROMPTS:-4}" GROUP="${GROUP:-4}" MAX_NEW="${MAX_NEW:-24}"
 
-echo "== 1. parity (TP=1, CUDA)"
-timeout "${PARITY_S:-240}" python3 "$REPO/scripts/megatron_parity.py" --model "$MODEL" --device cuda --tp 1 \
+echo "== 1. parity (TP=1, $DEVICE)"
+timeout "${PARITY_S:-270}" python3 "$REPO/scripts/megatron_parity.py" --model "$MODEL" --device "$DEVICE" --tp 1 \
   --out "$OUT/megatron" 2>&1 | grep -v -i "warn" | tee "$OUT/megatron/parity.log"
 echo "parity exit: ${PIPESTATUS[0]}" | tee -a "$OUT/megatron/parity.log"
 
-echo "== 2. qpass grpo --learner megatron --tp 1 --device cuda"
-timeout "${GRPO_S:-200}" python3 -m qpass.apps.cli grpo --recipe quads_nvfp4 --model "$MODEL" --device cuda \
+echo "== 2. qpass grpo --learner megatron --tp 1 --device $DEVICE"
+timeout "${GRPO_S:-170}" python3 -m qpass.apps.cli grpo --recipe quads_nvfp4 --model "$MODEL" --device "$DEVICE" \
   --learner megatron --tp 1 --steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
   --max-new-tokens "$MAX_NEW" --eval-every 0 --diag-every 0 --bitexact-every 1 --no-progress --no-plots \
   --out "$OUT/megatron/grpo" --overwrite 2>&1 | grep -v -i "warn" | tee "$OUT/megatron/grpo.log"
 echo "grpo exit: ${PIPESTATUS[0]}" | tee -a "$OUT/megatron/grpo.log"
 
-python3 - "$OUT/megatron" <<'PY' | tee "$OUT/megatron/summary.txt"
+python3 - "$OUT/megatron" "$DEVICE" <<'PY' | tee "$OUT/megatron/summary.txt"
 import json, sys
 from pathlib import Path
 d = Path(sys.argv[1])
-p = d / "parity_cuda.json"
+p = d / f"parity_{sys.argv[2]}.json"
 if p.is_file():
     r = json.loads(p.read_text())
     for dt, per in r["logits"].items():
-        print(f"logits {dt}: max|dlogit| mcore vs HF (TP=1, CUDA) = {per['tp1_vs_hf']['max_abs']:.3g} "
+        print(f"logits {dt}: max|dlogit| mcore vs HF (TP=1, {sys.argv[2]}) = {per['tp1_vs_hf']['max_abs']:.3g} "
               f"(mean {per['tp1_vs_hf']['mean_abs']:.3g})")
     fq = r.get("fake_quant", {})
     print(f"fake-quant sites identical (of {fq.get('sites')}): {fq.get('identical')}")
     print(f"fake-quant logits mcore vs qpass learner graph (bf16): {fq.get('tp1_vs_qpass_learner_graph', {}).get('max_abs')}")
 else:
-    print("no parity_cuda.json")
+    print(f"no {p.name}")
 m = d / "grpo" / "metrics.jsonl"
 if m.is_file():
     for line in m.read_text().splitlines():
