@@ -24,6 +24,7 @@ ranks 1..TP-1 are spawned worker processes that execute rank 0's commands in loc
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -260,6 +261,7 @@ def start_tp(tp: int, *, device: str | torch.device, timeout_s: float, worker: C
     if dev.type == "cuda" and tp > torch.cuda.device_count():
         raise QpassError(f"TP={tp} needs {tp} CUDA devices, {torch.cuda.device_count()} visible")
     workdir = tempfile.mkdtemp(prefix="qpass-megatron-")
+    atexit.register(shutil.rmtree, workdir, True)  # also when the caller never closes the learner
     rt = TPRuntime(0, tp, dev, workdir, timeout_s)
     try:
         with open(os.path.join(workdir, "launch.pkl"), "wb") as f:
