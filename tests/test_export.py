@@ -1,0 +1,252 @@
+"""``qpass export`` on the tiny Llama: qpass / plain formats, both sources, sharding, bad input.
+
+Fast tier: one tiny HF directory (the session's tiny Llama + a character tokenizer) and one
+``qpass apply quads_nvfp4`` on it per module; every export reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qpass.apps.artifacts import read_tensors
+from qpass.apps.cli import main as cli_main
+from qpass.apps.export import RECORD, export_checkpoint
+from qpass.checkpoint.hfdir import INDEX_NAME, read_hf_tensors
+from qpass.checkpoint.qconfig import QpassQuantOptions
+from qpass.errors import QpassError
+
+
+def char_tokenizer():
+    """A character-level HF tokenizer with a chat template (printable ASCII + 4 specials: 99 ids < 256)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<eos>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(special + [chr(c) for c in range(32, 127)])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])), pad_token="<pad>",
+                                  eos_token="<eos>", additional_special_tokens=special[2:])
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'][:20] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return tok
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(bits(a[k]), bits(b[k])), k
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_pipeline, tmp_path_factory):
+    """The session's tiny Llama (bf16) saved as an HF dir with a tokenizer."""
+    d = tmp_path_factory.mktemp("tiny") / "tiny_hf"
+    tiny_pipeline.loaded.model.save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_apply(tiny_pipeline, tiny_hf, tmp_path_factory):
+    """``qpass apply quads_nvfp4`` on the tiny HF dir (the shared capture, structural + bit-exact checks only)."""
+    from qpass.apps.apply import ApplyOptions, run_apply
+    from qpass.graph.model import load_model
+
+    lm = load_model(str(tiny_hf))
+    pipe = dataclasses.replace(tiny_pipeline, loaded=dataclasses.replace(tiny_pipeline.loaded, tokenizer=lm.tokenizer, source=str(tiny_hf)))
+    out = tmp_path_factory.mktemp("apply") / "quads"
+    status, _ = run_apply("quads_nvfp4", out, ApplyOptions(model=str(tiny_hf), prompts=1, samples=1, max_new_tokens=2, batch_size=4,
+                                                           behavioral=False, floor=False), pipeline=pipe)
+    assert status == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def qpass_ckpt(tiny_apply, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "ckpt"
+    rec = export_checkpoint(out, "qpass", src=tiny_apply, calibration_prompts=3)
+    return out, rec
+
+
+def test_qpass_export_of_apply_dir_holds_the_rollout_bytes_and_every_tensor(qpass_ckpt, tiny_apply):
+    out, rec = qpass_ckpt
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors", RECORD} <= {
+        p.name for p in out.iterdir()}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is False
+    q = cfg["quantization_config"]
+    assert q["quant_method"] == "qpass_nvfp4" and q["qpass_act"] == "nvfp4" and q["weight_arithmetic"] == "te_reference"
+    assert q["exclude_modules"] == ["lm_head", "model.embed_tokens"]
+    assert sorted(q["rac"]) == [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up")]
+    opts = QpassQuantOptions.from_config(q)  # the plugins' parser reads it back
+    assert opts.act == "nvfp4" and opts.rac["model.layers.0.mlp.up_proj"].ratio == 0.5
+
+    got = load_file(str(out / "model.safetensors"))
+    rollout = read_tensors(tiny_apply / "rollout" / "weights.safetensors")
+    learner = read_tensors(tiny_apply / "learner" / "model.safetensors")
+    sites = sorted(k[: -len(".weight_scale_2")] for k in rollout if k.endswith(".weight_scale_2"))
+    assert len(sites) == 14  # 7 linears x 2 layers
+    for s in sites:
+        for sfx in ("weight", "weight_scale", "weight_scale_2"):
+            assert torch.equal(bits(got[f"{s}.{sfx}"]), bits(rollout[f"{s}.{sfx}"].reshape(got[f"{s}.{sfx}"].shape))), (s, sfx)
+        assert got[f"{s}.weight_scale_2"].shape == () and got[f"{s}.input_scale"].dtype == torch.float32
+        assert f"{s}.weight_global_scale" not in got
+    unquantized = {k: v for k, v in learner.items() if k[: -len(".weight")] not in sites}
+    assert sorted(unquantized) == sorted(k for k in got if not k.startswith(tuple(f"{s}." for s in sites)))
+    assert_same_tensors({k: got[k] for k in unquantized}, unquantized)
+    assert rec["quantized_sites"] == 14 and rec["calibration"]["sequences"] == 3
+
+
+def test_input_scale_is_group_amax_over_2688_from_the_calibration_prompts(qpass_ckpt, tiny_hf):
+    """Recomputed another way: q/k/v read input_layernorm's output, gate/up post_attention_layernorm's,
+    o_proj / down_proj their own input; amax over the 3 chat-templated probe prompts."""
+    from qpass.graph.model import load_model
+    from qpass.prompts import encode_chat, probe_prompts
+
+    out, _ = qpass_ckpt
+    got = load_file(str(out / "model.safetensors"))
+    lm = load_model(str(tiny_hf))
+    seen: dict[str, float] = {}
+
+    def keep(name):
+        def hook(_m, args, output=None):
+            x = output if output is not None else args[0]
+            seen[name] = max(seen.get(name, 0.0), float(x.float().abs().max()))
+        return hook
+
+    hooks = []
+    for i, layer in enumerate(lm.model.model.layers):
+        hooks.append(layer.input_layernorm.register_forward_hook(keep(f"{i}.attn_in")))
+        hooks.append(layer.post_attention_layernorm.register_forward_hook(keep(f"{i}.mlp_in")))
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(keep(f"{i}.o_in")))
+        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(keep(f"{i}.down_in")))
+    with torch.no_grad():
+        for ids in encode_chat(lm.tokenizer, probe_prompts(3)):
+            lm.model(input_ids=torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    want = {}
+    for i in (0, 1):
+        for p, key in (("self_attn.q_proj", "attn_in"), ("self_attn.k_proj", "attn_in"), ("self_attn.v_proj", "attn_in"),
+                       ("self_attn.o_proj", "o_in"), ("mlp.gate_proj", "mlp_in"), ("mlp.up_proj", "mlp_in"), ("mlp.down_proj", "down_in")):
+            want[f"model.layers.{i}.{p}.input_scale"] = torch.tensor(seen[f"{i}.{key}"], dtype=torch.float32) / torch.tensor(2688.0)
+    assert_same_tensors({k: got[k] for k in want}, want)
+
+
+def test_recipe_and_model_source_equals_the_apply_dir_export(qpass_ckpt, tiny_hf, tmp_path):
+    out, _ = qpass_ckpt
+    d = tmp_path / "from_recipe"
+    rec = cli_main(["export", "--recipe", "quads_nvfp4", "--model", str(tiny_hf), "--format", "qpass", "--out", str(d),
+                    "--calibration-prompts", "3"])
+    assert rec == 0
+    assert_same_tensors(read_hf_tensors(d), read_hf_tensors(out))
+    assert json.loads((d / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+
+
+def test_plain_export_loads_in_transformers_with_the_same_weights_and_logits(tiny_hf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "plain"
+    export_checkpoint(d, "plain", src=str(tiny_hf), dtype="fp32")
+    cfg = json.loads((d / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["dtype"] == "float32"
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_hf), dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    assert next(m.parameters()).dtype == torch.float32
+    assert_same_tensors(m.state_dict(), ref.state_dict())
+    ids = torch.tensor([[4, 40, 41, 42, 43]])
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_large_checkpoint_is_sharded_with_an_index_transformers_reads(tiny_hf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "sharded"
+    assert cli_main(["export", str(tiny_hf), "--format", "plain", "--out", str(d), "--max-shard-size", "40KB"]) == 0
+    index = json.loads((d / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (d / "model.safetensors").exists()
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    tensors = read_hf_tensors(d)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    m = AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_hf)).eval()
+    assert_same_tensors(m.state_dict(), ref.state_dict())
+
+
+def test_out_into_an_existing_non_export_directory_is_refused(tiny_apply, tmp_path, capsys):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep me")
+    assert cli_main(["export", str(tiny_apply), "--out", str(d)]) == 2
+    assert "non-empty directory without qpass_export.json" in capsys.readouterr().err
+    assert [p.name for p in d.iterdir()] == ["notes.txt"]
+
+
+def test_force_replaces_a_previous_export_only(qpass_ckpt, tiny_hf, tmp_path):
+    d = tmp_path / "again"
+    shutil.copytree(qpass_ckpt[0], d)
+    with pytest.raises(QpassError, match="pass --force"):
+        export_checkpoint(d, "plain", src=str(tiny_hf))
+    export_checkpoint(d, "plain", src=str(tiny_hf), force=True)
+    assert "quantization_config" not in json.loads((d / "config.json").read_text())
+
+
+def test_an_interrupted_export_leaves_nothing(tiny_apply, tmp_path, monkeypatch):
+    import qpass.checkpoint.export as exp
+
+    real = exp.write_hf_dir
+
+    def dies_midway(directory, **kw):
+        real(directory, **kw)  # every file written into the temp dir, then the interrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exp, "write_hf_dir", dies_midway)
+    d = tmp_path / "out" / "ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(d, "qpass", src=tiny_apply, calibration_prompts=1)
+    assert list((tmp_path / "out").iterdir()) == []  # no checkpoint, no temp dir, no reservation
+
+
+@pytest.mark.parametrize("victim, message", [
+    ("rollout/hf_quant_config.json", "rollout/hf_quant_config.json is missing"),
+    ("report.json", "report.json is missing"),
+])
+def test_missing_apply_file_is_named(tiny_apply, tmp_path, victim, message):
+    d = tmp_path / "apply"
+    shutil.copytree(tiny_apply, d)
+    (d / victim).unlink()
+    with pytest.raises(QpassError, match=message):
+        export_checkpoint(tmp_path / "ckpt", "qpass", src=d)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_corrupt_rollout_weights_are_named(tiny_apply, tmp_path, capsys):
+    d = tmp_path / "apply"
+    shutil.copytree(tiny_apply, d)
+    f = d / "rollout" / "weights.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # truncated
+    assert cli_main(["export", str(d), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "rollout/weights.safetensors" in err and "not a readable safetensors file" in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_bad_shard_size_and_unknown_source_are_exit_2(tiny_hf, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:  # argparse: usage error, status 2
+        cli_main(["export", str(tiny_hf), "--format", "plain", "--out", str(tmp_path / "a"), "--max-shard-size", "lots"])
+    assert exc.value.code == 2 and "expected a size like 5GB" in capsys.readouterr().err
+    assert cli_main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "b")]) == 2
+    assert "does not exist" in capsys.readouterr().err
