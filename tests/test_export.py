@@ -250,3 +250,84 @@ def test_bad_shard_size_and_unknown_source_are_exit_2(tiny_hf, tmp_path, capsys)
     assert exc.value.code == 2 and "expected a size like 5GB" in capsys.readouterr().err
     assert cli_main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "b")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- modelopt / compressed-tensors
+
+MODELOPT_LISTINGS = {"nvfp4": "modelopt_tiny_llama_NVFP4_DEFAULT_CFG.json", "none": "modelopt_tiny_llama_W4A16_NVFP4_CFG.json"}
+
+
+def _modelopt_listing(act: str) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "data" / MODELOPT_LISTINGS[act]).read_text())
+
+
+@pytest.mark.parametrize("act", ["nvfp4", "none"])
+def test_modelopt_export_matches_a_real_modelopt_export_of_the_same_model(act, tiny_apply, tiny_hf, tmp_path):
+    """The recorded listing is a real ModelOpt 0.47.0 CPU export of this tiny Llama (scripts/modelopt_reference.py,
+    NVFP4_DEFAULT_CFG = W4A4, W4A16_NVFP4_CFG = weight-only; calibration on the same 3 probe prompts)."""
+    from qpass.checkpoint.hfdir import checkpoint_listing
+
+    ref = _modelopt_listing(act)
+    d = tmp_path / "mo"
+    if act == "nvfp4":
+        export_checkpoint(d, "modelopt", src=tiny_apply, calibration_prompts=3)
+    else:
+        export_checkpoint(d, "modelopt", model=str(tiny_hf), recipe="w4a16_qat")
+    got = checkpoint_listing(d)
+    assert {k: (v["dtype"], v["shape"]) for k, v in got["tensors"].items()} == {k: (v["dtype"], v["shape"]) for k, v in ref["tensors"].items()}
+    assert got["quantization_config"] == ref["quantization_config"]
+    assert {k: v for k, v in got["hf_quant_config"].items() if k != "qpass"} == ref["hf_quant_config"]
+    assert got["hf_quant_config"]["qpass"]["weight_arithmetic"] == "te_reference"
+    assert set(got["config"]) - set(ref["config"]) == {"torch_dtype"}  # the pre-transformers-5 alias, kept for older readers
+    assert {k: got["config"][k] for k in ref["config"]} == ref["config"]
+    assert set(got["files"]) - set(ref["files"]) == {RECORD}
+    # bytes: everything but some codes and global scales is identical (the global-scale convention differs by an ulp)
+    same = {k for k in ref["tensors"] if got["tensors"][k]["sha256"] == ref["tensors"][k]["sha256"]}
+    differ = {k.rsplit(".", 1)[-1] for k in set(ref["tensors"]) - same}
+    assert differ <= {"weight", "weight_scale", "weight_scale_2"}
+    assert all(k in same for k in ref["tensors"] if k.endswith(("input_scale", "norm.weight", "embed_tokens.weight", "lm_head.weight")))
+
+
+def test_modelopt_refuses_per_token_activations(tiny_hf, tmp_path):
+    recipe = tmp_path / "pt.yaml"
+    recipe.write_text("name: pt\nrollout:\n  - pass: w4a4_lower\n    act: nvfp4_per_token\n")
+    with pytest.raises(QpassError, match="no per-token activation scale"):
+        export_checkpoint(tmp_path / "o", "modelopt", model=str(tiny_hf), recipe=str(recipe))
+    assert not (tmp_path / "o").exists()
+
+
+def test_compressed_tensors_export_loads_in_transformers_and_decompresses_to_qpass_bytes(qpass_ckpt, tiny_apply, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize
+
+    d = tmp_path / "ct"
+    export_checkpoint(d, "compressed-tensors", src=tiny_apply, calibration_prompts=3)
+    cfg = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "nvfp4-pack-quantized"
+    assert cfg["quantization_status"] == "compressed" and cfg["ignore"] == ["lm_head", "model.embed_tokens"]
+    g = cfg["config_groups"]["group_0"]
+    assert g["targets"] == ["Linear"] and g["weights"]["strategy"] == "tensor_group" and g["input_activations"]["dynamic"] == "local"
+    files = read_hf_tensors(d)
+    q = read_hf_tensors(qpass_ckpt[0])
+    rollout = read_tensors(tiny_apply / "rollout" / "weights.safetensors")
+    s = "model.layers.0.mlp.gate_proj"
+    assert files[f"{s}.weight_packed"].dtype == torch.uint8 and files[f"{s}.weight_global_scale"].shape == (1,)
+    assert torch.equal(bits(files[f"{s}.weight_global_scale"].reshape(())), bits(rollout[f"{s}.weight_global_scale"].reshape(())))
+    for p in ("gate_proj", "up_proj"):  # fl(2688/amax) vs the qpass file's fl(amax/2688): reciprocal to 2 ulp, one per group
+        igs = files[f"model.layers.0.mlp.{p}.input_global_scale"]
+        assert torch.equal(bits(igs), bits(files[f"{s}.input_global_scale"]))
+        assert abs(float(igs.double() * q[f"{s}.input_scale"].double()) - 1) < 2**-22
+
+    m = AutoModelForCausalLM.from_pretrained(str(d), quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    sd = m.state_dict()
+    sites = sorted(k[: -len(".weight_scale_2")] for k in q if k.endswith(".weight_scale_2"))
+    assert len(sites) == 14
+    for s in sites:
+        want = nvfp4_dequantize(NVFP4Tensor.from_parts(q[f"{s}.weight"], q[f"{s}.weight_scale"], q[f"{s}.weight_scale_2"]), torch.bfloat16)
+        assert torch.equal(bits(sd[f"{s}.weight"]), bits(want)), s
+    assert torch.equal(bits(sd["lm_head.weight"]), bits(q["lm_head.weight"]))

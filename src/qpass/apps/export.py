@@ -34,7 +34,7 @@ import torch
 from qpass import __version__
 from qpass.atomic import atomic_dir
 from qpass.checkpoint.export import ACT_OF_SPEC, sites_from_rollout, write_checkpoint
-from qpass.checkpoint.formats import CHECKPOINT_FORMATS, RolloutSite
+from qpass.checkpoint.formats import CHECKPOINT_FORMATS, GLOBAL_SCALE_RULES, RolloutSite
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE
 from qpass.errors import QpassError
 from qpass.jsonio import write_json
@@ -43,7 +43,6 @@ from qpass.quant.rac import RACConfig
 log = logging.getLogger(__name__)
 
 RECORD = "qpass_export.json"
-GLOBAL_SCALE_CONVENTIONS = {"te_reference": "weight_scale_2 = S_dec = fl(1/fl(2688/amax)) (qpass te_reference, SPEC §3)"}
 DEFAULT_CALIBRATION_PROMPTS = 8
 
 __all__ = ["RECORD", "build_export_parser", "export_checkpoint", "main_export"]
@@ -219,15 +218,15 @@ def export_checkpoint(
         if "calibration" in summary:
             summary["calibration"]["source"] = f"{calibration_prompts} qpass probe prompts (chat template)"
         record.update(summary, weight_arithmetic=arithmetic if sites else None,
-                      global_scale_convention=GLOBAL_SCALE_CONVENTIONS[arithmetic] if sites else None)
+                      global_scale_convention=GLOBAL_SCALE_RULES[arithmetic] if sites else None)
         write_json(tmp / RECORD, record)
     return record
 
 
 def _build_rollout(lm: Any, recipe_ref: str) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor]]:
     """Capture ``lm`` and run the recipe's rollout passes; the NVFP4 sites and their tensors."""
+    from qpass.apps.artifacts import rollout_tensors
     from qpass.apps.plugins import load_backends
-    from qpass.checkpoint.tensors import named_tensors_from_rollout
     from qpass.pipeline import Pipeline
     from qpass.recipe import load_recipe
 
@@ -236,7 +235,7 @@ def _build_rollout(lm: Any, recipe_ref: str) -> tuple[dict[str, RolloutSite], di
     pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=8)
     rollout = pipe.build_side(r, "rollout", share_params=True)
     sites = sites_from_rollout(rollout)
-    return sites, (dict(named_tensors_from_rollout(rollout)) if sites else {})
+    return sites, (rollout_tensors(rollout) if sites else {})
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -246,7 +245,7 @@ def build_export_parser(prog: str = "qpass export") -> argparse.ArgumentParser:
     """The ``qpass export`` argument parser."""
     from qpass.apps.cliutil import add_force, add_threads, add_verbose, pos_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (qpass / plain format)")
+    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (qpass, modelopt, plain ...)")
     ap.add_argument("src", nargs="?", help="a qpass apply output directory, or a model (default | HF dir | .gguf)")
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (written atomically)")
     ap.add_argument("--format", default="qpass", choices=sorted(CHECKPOINT_FORMATS), help="checkpoint format (default qpass)")

@@ -60,12 +60,12 @@ def input_amax(model: torch.nn.Module, sites: Iterable[str], batches: Sequence[S
     return amax
 
 
-def group_input_scales(amax: Mapping[str, torch.Tensor], groups: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """``input_scale = fl(group_amax / 2688)`` float32 0-d per site, bit-identical within a fused group.
+def group_input_amax(amax: Mapping[str, torch.Tensor], groups: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """Per site the max of its fused group's input amax (float32 0-d; members share one GEMM input).
 
     Args:
         amax: per site max |x| (from :func:`input_amax`).
-        groups: site -> fused-group id (members of one group share one input).
+        groups: site -> fused-group id.
     Raises:
         QuantizationError: a site without calibration data, or a group whose amax is 0 (its input
             was all zeros on every calibration token: no scale can be derived).
@@ -80,5 +80,17 @@ def group_input_scales(amax: Mapping[str, torch.Tensor], groups: Mapping[str, st
         a = gmax[g].float().reshape(())
         if not bool(a > 0):
             raise QuantizationError(f"calibration: fused group {g} (site {s}) had an all-zero input on every calibration token")
-        out[s] = a / torch.full_like(a, NVFP4_ACT_MAXBOUND)
+        out[s] = a
     return out
+
+
+def input_scale(amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's static activation decode scale ``fl(amax / 2688)`` (float32, a multiplier)."""
+    a = amax.float()
+    return a / torch.full_like(a, NVFP4_ACT_MAXBOUND)
+
+
+def input_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' static activation global scale ``fl(2688 / amax)`` (float32, a divisor)."""
+    a = amax.float()
+    return torch.full_like(a, NVFP4_ACT_MAXBOUND) / a

@@ -71,17 +71,17 @@ def write_checkpoint(
     """
     sites = dict(sites or {})
     record: dict[str, Any] = {}
-    input_scales = None
+    input_amax = None
     w4a4 = {s: r.group for s, r in sites.items() if r.act != "none"}
     if w4a4 and fmt != "plain":
-        from qpass.checkpoint.calibrate import group_input_scales, input_amax
+        from qpass.checkpoint import calibrate
 
         if not calibration_ids:
             raise QpassError(f"{len(w4a4)} W4A4 site(s) need calibration prompts for their input_scale")
-        input_scales = group_input_scales(input_amax(model, w4a4, calibration_ids), w4a4)
+        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4)
         record["calibration"] = {"sequences": len(calibration_ids), "tokens": sum(len(i) for i in calibration_ids),
                                  "input_scale": INPUT_SCALE_RULE}
-    inputs = ExportInputs(plain_config(model, dtype), plain_state(model, dtype), sites, dict(site_tensors or {}), input_scales,
+    inputs = ExportInputs(plain_config(model, dtype), plain_state(model, dtype), sites, dict(site_tensors or {}), input_amax,
                           weight_arithmetic=weight_arithmetic)
     content = build_checkpoint(fmt, inputs)
     record.update(content.summary)

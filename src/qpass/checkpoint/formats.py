@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from qpass.checkpoint.calibrate import input_global_scale, input_scale
 from qpass.checkpoint.params import check_site_tensors
 from qpass.checkpoint.qconfig import QpassQuantOptions
 from qpass.checkpoint.tensors import check_fused_global_scales
@@ -73,7 +74,8 @@ class ExportInputs:
         state: every model tensor under HF names in the model dtype (masters of quantized sites included).
         sites: ``{site: RolloutSite}`` of the NVFP4-quantized linears (empty: nothing quantized).
         site_tensors: ``{<site>.weight|weight_scale|weight_scale_2: tensor}`` — the rollout's bytes.
-        input_scales: ``{site: float32 0-d}`` for the W4A4 sites (None: not calibrated).
+        input_amax: ``{site: float32 0-d}`` the fused group's calibrated input amax, for the W4A4
+            sites (None: not calibrated).
         weight_arithmetic: the quantizer arithmetic the weight bytes follow (``te_reference`` | ``modelopt``).
     """
 
@@ -81,7 +83,7 @@ class ExportInputs:
     state: Mapping[str, torch.Tensor]
     sites: Mapping[str, RolloutSite]
     site_tensors: Mapping[str, torch.Tensor]
-    input_scales: Mapping[str, torch.Tensor] | None = None
+    input_amax: Mapping[str, torch.Tensor] | None = None
     weight_arithmetic: str = "te_reference"
 
 
@@ -160,8 +162,10 @@ def site_tensors_checked(inputs: ExportInputs, suffixes: tuple[str, ...] = SITE_
     return out
 
 
-def w4a4_input_scales(inputs: ExportInputs) -> dict[str, torch.Tensor]:
-    """``{<site>.input_scale: float32 0-d}`` for the W4A4 sites (bit-identical per fused group).
+def w4a4_input_scales(inputs: ExportInputs, rule: Callable[[torch.Tensor], torch.Tensor] = input_scale,
+                      suffix: str = "input_scale") -> dict[str, torch.Tensor]:
+    """``{<site>.<suffix>: rule(group amax)}`` float32 0-d for the W4A4 sites (bit-identical per fused
+    group); default ModelOpt's ``input_scale = fl(group_amax / 2688)``.
 
     Raises:
         QpassError: W4A4 sites but no calibrated scales, a site without one, or two scales in one group.
@@ -169,19 +173,19 @@ def w4a4_input_scales(inputs: ExportInputs) -> dict[str, torch.Tensor]:
     w4a4 = sorted(s for s, r in inputs.sites.items() if r.act != "none")
     if not w4a4:
         return {}
-    if inputs.input_scales is None:
+    if inputs.input_amax is None:
         raise QpassError(f"{len(w4a4)} W4A4 site(s) need a calibrated input_scale (e.g. {w4a4[0]}); none was computed")
     out, by_group = {}, {}
     for s in w4a4:
-        t = inputs.input_scales.get(s)
-        if t is None:
-            raise QpassError(f"W4A4 site {s}: no calibrated input_scale")
-        t = t.detach().float().reshape(())
+        a = inputs.input_amax.get(s)
+        if a is None:
+            raise QpassError(f"W4A4 site {s}: no calibrated input amax")
+        t = rule(a.detach().float().reshape(()))
         bits = int(t.view(torch.int32))
         g = inputs.sites[s].group
         if by_group.setdefault(g, bits) != bits:
             raise QpassError(f"fused group {g}: input_scale differs between members (site {s}); one GEMM input needs one scale")
-        out[f"{s}.input_scale"] = t.clone()
+        out[f"{s}.{suffix}"] = t.clone()
     return out
 
 
@@ -223,3 +227,124 @@ def qpass_format(inputs: ExportInputs) -> CheckpointContent:
     config = dict(inputs.config) | {"quantization_config": opts.to_config()}
     return CheckpointContent(config, dict(sorted(tensors.items())),
                              summary={"quantized_sites": len(inputs.sites), "act": opts.act, "rac_sites": len(opts.rac)})
+
+
+MODELOPT_VERSION = "0.47.0"  # the ModelOpt release whose export_hf_checkpoint layout this format reproduces
+NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+
+
+@checkpoint_format("modelopt")
+def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
+    """What ModelOpt's ``export_hf_checkpoint`` writes for NVFP4 (``NVFP4_DEFAULT_CFG``: W4A4 with
+    static ``input_scale``; ``W4A16_NVFP4_CFG``: weight-only), so vLLM's and SGLang's native
+    ``modelopt_fp4`` loaders take it.
+
+    Tensors: the ``qpass`` format's (``weight`` / ``weight_scale`` / ``weight_scale_2`` 0-d /
+    ``input_scale`` 0-d for W4A4). Files: ``hf_quant_config.json`` ``{"producer": {"name":
+    "modelopt", "version"}, "quantization": {"quant_algo": "NVFP4" | "W4A16_NVFP4",
+    "kv_cache_quant_algo": null, "group_size": 16, "exclude_modules": [...]}}`` plus a top-level
+    ``"qpass"`` block (which arithmetic the bytes follow; what the format cannot carry: RAC, dynamic
+    activation scales), and ``config.json`` ``quantization_config`` as ModelOpt writes it
+    (``config_groups.group_0`` ``weights`` / ``input_activations`` / ``targets: ["Linear"]``, ``ignore``,
+    ``quant_algo``, ``producer``, ``quant_method: "modelopt"``).
+
+    Source: a real ModelOpt 0.47.0 export of the tiny Llama on CPU (``scripts/modelopt_reference.py``,
+    listings in ``tests/data/modelopt_tiny_llama_*.json``).
+
+    Raises:
+        QpassError: nothing quantized; per-token activations (ModelOpt has no such mode); see
+            :func:`site_tensors_checked` / :func:`w4a4_input_scales`.
+    """
+    if not inputs.sites:
+        raise QpassError("--format modelopt needs NVFP4-quantized sites; this rollout has none (use --format plain)")
+    act = act_mode(inputs)
+    if act == "nvfp4_per_token":
+        raise QpassError("ModelOpt NVFP4 has no per-token activation scale (act: nvfp4_per_token); use --format qpass")
+    algo = "NVFP4" if act == "nvfp4" else "W4A16_NVFP4"
+    exclude = excluded_modules(inputs)
+    producer = {"name": "modelopt", "version": MODELOPT_VERSION}
+    tensors = unquantized_tensors(inputs) | site_tensors_checked(inputs) | (w4a4_input_scales(inputs) if act == "nvfp4" else {})
+    group = ({"input_activations": dict(NVFP4_ARGS)} if act == "nvfp4" else {}) | {"weights": dict(NVFP4_ARGS), "targets": ["Linear"]}
+    qconfig = {"config_groups": {"group_0": group}, "ignore": exclude, "quant_algo": algo, "producer": producer, "quant_method": "modelopt"}
+    rac = sorted(s for s, r in inputs.sites.items() if r.rac is not None)
+    hf_quant = {
+        "producer": producer,
+        "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude},
+        "qpass": {"writer": "qpass export", "weight_arithmetic": inputs.weight_arithmetic,
+                  "weight_scale_2": GLOBAL_SCALE_RULES[inputs.weight_arithmetic],
+                  "input_scale": "static, calibrated: fl(group_amax / 2688)" if act == "nvfp4" else None,
+                  "not_represented": {"rac_sites": rac, "dynamic_activation_scales": act == "nvfp4"}},
+    }
+    return CheckpointContent(dict(inputs.config) | {"quantization_config": qconfig}, dict(sorted(tensors.items())),
+                             {"hf_quant_config.json": hf_quant},
+                             summary={"quantized_sites": len(inputs.sites), "act": act, "quant_algo": algo, "rac_sites_not_represented": len(rac)})
+
+
+GLOBAL_SCALE_RULES = {
+    "te_reference": "S_dec = fl(1/fl(2688/amax)) (qpass / TransformerEngine reference; ModelOpt writes fl(amax/2688), "
+                    "which differs by one ulp for some amax)",
+    "modelopt": "fl(amax/2688) (ModelOpt's arithmetic)",
+}
+
+
+@checkpoint_format("compressed-tensors")
+def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
+    """The ``nvfp4-pack-quantized`` layout llm-compressor writes (compressed-tensors' ``NVFP4`` /
+    ``NVFP4A16`` presets), loadable by transformers + compressed-tensors and vLLM's
+    ``compressed-tensors`` method.
+
+    Per quantized site ``P``: ``P.weight_packed`` uint8 ``[N, K/2]`` (low nibble = even k, as
+    ``unpack_fp4_from_uint8``), ``P.weight_scale`` float8_e4m3fn ``[N, K/16]``,
+    ``P.weight_global_scale`` float32 ``[1]`` = ``S_enc = fl(2688/amax)`` (an encode **divisor**:
+    compressed-tensors decodes ``code * fl(s_b / weight_global_scale)``), and for W4A4
+    ``P.input_global_scale`` float32 ``[1]`` = ``fl(2688 / group_amax)`` of the calibration
+    activations (the ``input_activations`` preset has ``dynamic: "local"``: static global, dynamic
+    block scales). ``config.json`` ``quantization_config``: compressed-tensors' own
+    ``QuantizationConfig`` (``config_groups.group_0`` = the preset with ``targets: ["Linear"]``,
+    ``ignore``, ``format``, ``quantization_status: "compressed"``) plus ``version``,
+    ``quant_method: "compressed-tensors"``, as ``ModelCompressor.update_config`` writes it.
+
+    Source: compressed-tensors 0.20.1 ``compressors/nvfp4/base.py`` (``compression_param_names``,
+    ``decompress``), ``quantization/quant_scheme.py`` (``NVFP4``), ``lifecycle/initialize.py``
+    (``*_global_scale`` shape ``[1]``), ``model_compressors/model_compressor.py`` (``update_config``).
+
+    Raises:
+        MissingDependencyError: compressed-tensors is not installed.
+        QpassError: nothing quantized; per-token activations (no such preset); as :func:`site_tensors_checked`.
+    """
+    from qpass.errors import MissingDependencyError
+
+    try:
+        import compressed_tensors
+        from compressed_tensors.config import CompressionFormat
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+        from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+    except ImportError as exc:
+        raise MissingDependencyError(f"--format compressed-tensors needs the compressed-tensors package: pip install compressed-tensors ({exc})") from exc
+    if not inputs.sites:
+        raise QpassError("--format compressed-tensors needs NVFP4-quantized sites; this rollout has none (use --format plain)")
+    act = act_mode(inputs)
+    if act == "nvfp4_per_token":
+        raise QpassError("compressed-tensors' NVFP4 preset has no per-token activation global scale (act: nvfp4_per_token); use --format qpass")
+    fmt = CompressionFormat.nvfp4_pack_quantized.value
+    exclude = excluded_modules(inputs)
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=fmt, **(NVFP4 if act == "nvfp4" else NVFP4A16))},
+                            ignore=exclude, format=fmt, quantization_status="compressed")
+    qconfig = {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {}, "transform_config": {},
+               **qc.model_dump(exclude=["quant_method"])}
+    tensors = unquantized_tensors(inputs)
+    for name, t in site_tensors_checked(inputs).items():
+        site, _, suffix = name.rpartition(".")
+        if suffix == "weight":
+            tensors[f"{site}.weight_packed"] = t
+        elif suffix == "weight_scale":
+            tensors[name] = t
+        else:  # weight_scale_2 = S_dec; compressed-tensors stores the encode divisor S_enc the quantizer used
+            enc = inputs.site_tensors.get(f"{site}.weight_global_scale")
+            if enc is None:
+                raise QpassError(f"quantized site {site}: no {site}.weight_global_scale (S_enc) among the rollout tensors")
+            tensors[f"{site}.weight_global_scale"] = enc.detach().float().reshape(1).clone()
+    if act == "nvfp4":
+        tensors |= {k: v.reshape(1) for k, v in w4a4_input_scales(inputs, input_global_scale, "input_global_scale").items()}
+    return CheckpointContent(dict(inputs.config) | {"quantization_config": qconfig}, dict(sorted(tensors.items())),
+                             summary={"quantized_sites": len(inputs.sites), "act": act})

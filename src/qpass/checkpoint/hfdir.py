@@ -3,8 +3,9 @@
 Files written by :func:`write_hf_dir` into a directory (the caller makes it atomic, e.g. with
 :func:`qpass.atomic.atomic_dir`):
 
-* ``config.json`` — the model's HF config (``architectures``, the architecture fields, ``dtype`` and
-  ``torch_dtype``), plus ``quantization_config`` when the weights are quantized; a GGUF-loaded
+* ``config.json`` — the model's HF config as ``save_pretrained`` writes it (fields that differ from
+  the class defaults: ``architectures``, the architecture fields, ``dtype``; plus ``torch_dtype``, the
+  pre-transformers-5 name of ``dtype``, for older readers), plus ``quantization_config`` when the weights are quantized; a GGUF-loaded
   model's ``quantization_config`` (the GGUF marker) is dropped: the tensors are written de-quantized.
 * ``generation_config.json`` — the model's generation config, when it has one.
 * tokenizer files — whatever ``tokenizer.save_pretrained`` writes (tokenizer.json,
@@ -48,8 +49,9 @@ def plain_config(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Any]:
         raise QpassError(f"{type(model).__name__} has no Hugging Face config; export needs a transformers model")
     if dtype not in DTYPE_NAMES:
         raise QpassError(f"export dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
-    d = cfg.to_dict()
+    d = cfg.to_diff_dict()  # what save_pretrained writes: fields that differ from the class defaults
     d.pop("quantization_config", None)  # GGUF marker: the tensors are de-quantized
+    d.pop("_name_or_path", None)  # a local path of the machine that exported
     d["architectures"] = [type(model).__name__]
     d["dtype"] = d["torch_dtype"] = DTYPE_NAMES[dtype]
     return d
@@ -154,4 +156,44 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
             out.update(load_file(str(d / f)))
         except Exception as exc:  # noqa: BLE001 - safetensors raises bare errors without the path
             raise QpassError(f"{d / f}: not a readable safetensors file (missing, truncated or corrupt?): {exc}") from exc
+    return out
+
+
+def checkpoint_listing(directory: str | Path, *, digests: bool = True) -> dict[str, Any]:
+    """What a checkpoint directory holds, as JSON-able data (to compare two exporters' outputs).
+
+    Returns ``{"files": [names], "tensors": {name: {"dtype": safetensors dtype ("U8", "F8_E4M3",
+    "F32", "BF16" ...), "shape": [...], "sha256": hex of the raw bytes (with ``digests``)}},
+    "config": config.json without ``quantization_config``, "quantization_config": ...,
+    "hf_quant_config": hf_quant_config.json or None}``.
+
+    Raises:
+        QpassError: see :func:`read_hf_tensors`; an unreadable ``config.json``.
+    """
+    import hashlib
+    import json
+
+    from safetensors import safe_open
+
+    d = Path(directory)
+    tensors = read_hf_tensors(d)
+    dtypes: dict[str, str] = {}
+    for f in sorted(p for p in d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            dtypes.update({k: h.get_slice(k).get_dtype() for k in h.keys()})
+    out: dict[str, Any] = {"files": sorted(p.name for p in d.iterdir() if p.is_file()), "tensors": {}}
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        row: dict[str, Any] = {"dtype": dtypes[name], "shape": list(t.shape)}
+        if digests:
+            row["sha256"] = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        out["tensors"][name] = row
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise QpassError(f"{d / 'config.json'}: not readable JSON: {exc}") from exc
+    out["quantization_config"] = config.pop("quantization_config", None)
+    out["config"] = config
+    hq = d / "hf_quant_config.json"
+    out["hf_quant_config"] = json.loads(hq.read_text()) if hq.is_file() else None
     return out
