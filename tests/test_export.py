@@ -331,3 +331,93 @@ def test_compressed_tensors_export_loads_in_transformers_and_decompresses_to_qpa
         want = nvfp4_dequantize(NVFP4Tensor.from_parts(q[f"{s}.weight"], q[f"{s}.weight_scale"], q[f"{s}.weight_scale_2"]), torch.bfloat16)
         assert torch.equal(bits(sd[f"{s}.weight"]), bits(want)), s
     assert torch.equal(bits(sd["lm_head.weight"]), bits(q["lm_head.weight"]))
+
+
+# ----------------------------------------------------------------------------- the modelopt global-scale arithmetic
+
+MODELOPT_RECIPE = """name: quads_nvfp4_modelopt
+learner:
+  - pass: weight_qdq
+    arithmetic: {learner}
+rollout:
+  - pass: w4a4_lower
+    act: nvfp4
+    arithmetic: {rollout}
+  - pass: residual_compensation
+    targets: ["*.mlp.gate_proj", "*.mlp.up_proj"]
+    ratio: 0.5
+parity:
+  - check: structural
+  - check: weights_bitexact
+"""
+
+
+def _recipe(tmp_path, learner: str, rollout: str):
+    from qpass.recipe import load_recipe
+
+    p = tmp_path / f"r_{learner}_{rollout}.yaml"
+    p.write_text(MODELOPT_RECIPE.format(learner=learner, rollout=rollout))
+    return p
+
+
+@pytest.mark.parametrize("arithmetic", ["te_reference", "modelopt"])
+def test_parity_holds_with_either_weight_arithmetic_on_both_sides(arithmetic, tiny_pipeline, tmp_path):
+    from qpass.parity.checker import check_structural, check_weights_bitexact
+    from qpass.recipe import load_recipe
+
+    learner, rollout = tiny_pipeline.build(load_recipe(str(_recipe(tmp_path, arithmetic, arithmetic))))
+    assert {r.spec.arithmetic for r in rollout.quant.values() if r.lowered} == {arithmetic}
+    assert {r.spec.arithmetic for r in learner.quant.values() if r.weight_fake_quant} == {arithmetic}
+    st, bx = check_structural(learner, rollout), check_weights_bitexact(learner, rollout)
+    assert st.ok, st.problems
+    assert bx.ok and len(bx.groups) == 8, bx.failures()  # per layer: qkv, o, gate/up, down
+
+
+def test_mixed_arithmetics_break_parity_and_are_named(tiny_pipeline, tmp_path):
+    from qpass.parity.checker import check_structural, check_weights_bitexact
+    from qpass.recipe import load_recipe
+
+    learner, rollout = tiny_pipeline.build(load_recipe(str(_recipe(tmp_path, "te_reference", "modelopt"))))
+    st = check_structural(learner, rollout)
+    assert not st.ok
+    assert "model.layers.0.self_attn.q_proj: spec learner=nvfp4.weight.per_tensor rollout=nvfp4.weight.per_tensor.modelopt" in st.problems
+    bx = check_weights_bitexact(learner, rollout)
+    assert not bx.ok  # the one-ulp global scales (and what follows from them) differ on some groups
+
+
+def test_global_scale_modelopt_export_is_byte_identical_to_a_real_modelopt_export(tiny_hf, tiny_apply, tmp_path, capsys):
+    """With `arithmetic: modelopt` on both sides every tensor of --format modelopt equals ModelOpt 0.47's own export
+    (codes, block scales, weight_scale_2, input_scale, unquantized) — the recorded sha256 of each."""
+    from qpass.checkpoint.hfdir import checkpoint_listing
+
+    d = tmp_path / "mo"
+    assert cli_main(["export", "--recipe", str(_recipe(tmp_path, "modelopt", "modelopt")), "--model", str(tiny_hf), "--format", "modelopt",
+                     "--global-scale", "modelopt", "--calibration-prompts", "3", "--out", str(d)]) == 0
+    got, ref = checkpoint_listing(d), _modelopt_listing("nvfp4")
+    assert got["tensors"] == ref["tensors"]
+    assert got["hf_quant_config"]["qpass"]["weight_arithmetic"] == "modelopt"
+    assert json.loads((d / RECORD).read_text())["weight_arithmetic"] == "modelopt"
+    # the te_reference apply output cannot be exported as ModelOpt's bytes: the codes were quantized otherwise
+    assert cli_main(["export", str(tiny_apply), "--format", "modelopt", "--global-scale", "modelopt", "--out", str(tmp_path / "x")]) == 2
+    assert "follow the te_reference arithmetic" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_modelopt_arithmetic_of_the_reference_quantizer_on_hand_values():
+    """amax 0.625: S_dec = fl(0.625/2688), one ulp below te_reference's fl(1/fl(2688/0.625)); the block of max
+    0.625 gets scale fl(0.625/fl(6*S_dec)) -> E4M3 448; an all-zero block scale 1.0 (ModelOpt's exact-zero
+    rule, where te_reference stores 0); a tiny block is clamped to 2^-9 instead of underflowing to 0."""
+    from qpass.formats.spec import NVFP4_WEIGHT, NVFP4_WEIGHT_MODELOPT
+    from qpass.quant.nvfp4 import nvfp4_quantize
+
+    x = torch.zeros(1, 48)
+    x[0, 0], x[0, 1] = 0.625, -0.3125        # block 0: vmax 0.625
+    x[0, 32] = 1e-9                          # block 2: vmax far below amax * 2^-9 * 6 / 448; block 1 all zero
+    mo, te = nvfp4_quantize(x, spec=NVFP4_WEIGHT_MODELOPT), nvfp4_quantize(x, spec=NVFP4_WEIGHT)
+    s_dec = torch.tensor(0.625) / torch.tensor(2688.0)
+    assert torch.equal(bits(mo.s_dec), bits(s_dec))
+    assert int(te.s_dec.view(torch.int32)) - int(mo.s_dec.view(torch.int32)) == 1
+    assert mo.scales.float().tolist() == [[448.0, 1.0, 2.0**-9]]
+    assert te.scales.float().tolist()[0][1] == 0.0
+    assert mo.codes[0, 0] == 0x7 | (0xD << 4)  # 0.625 -> 6 (code 7), -0.3125 -> -3 (sign 8 | code 5 = 0xD)
+    assert mo.spec.key == "nvfp4.weight.per_tensor.modelopt"

@@ -34,7 +34,7 @@ import torch
 from qpass import __version__
 from qpass.atomic import atomic_dir
 from qpass.checkpoint.export import ACT_OF_SPEC, sites_from_rollout, write_checkpoint
-from qpass.checkpoint.formats import CHECKPOINT_FORMATS, GLOBAL_SCALE_RULES, RolloutSite
+from qpass.checkpoint.formats import CHECKPOINT_FORMATS, GLOBAL_SCALE_RULES, RolloutSite, weight_arithmetic
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE
 from qpass.errors import QpassError
 from qpass.jsonio import write_json
@@ -85,8 +85,10 @@ def sites_from_quant_config(cfg: dict[str, Any], source: Path) -> dict[str, Roll
             if d.get("act_spec") not in ACT_OF_SPEC:
                 raise QpassError(f"{source}: site {s} has an unknown activation spec {d.get('act_spec')!r}")
             r = rac.get(s)
+            wkey = d.get("weight_spec") or ""
             out[s] = RolloutSite(s, d["group"], ACT_OF_SPEC[d.get("act_spec")],
-                                 RACConfig(float(r["ratio"]), r["mode"], r["selection"]) if r else None)
+                                 RACConfig(float(r["ratio"]), r["mode"], r["selection"]) if r else None,
+                                 "modelopt" if wkey.endswith(".modelopt") else "te_reference")
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, QpassError):
             raise
@@ -145,6 +147,7 @@ def export_checkpoint(
     force: bool = False,
     calibration_prompts: int = DEFAULT_CALIBRATION_PROMPTS,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    global_scale: str | None = None,
 ) -> dict[str, Any]:
     """Write a checkpoint directory ``out`` of format ``fmt`` (module docstring). Returns the record.
 
@@ -154,6 +157,10 @@ def export_checkpoint(
         recipe: a recipe name/path: build its rollout side on ``model`` and export that.
         dtype: ``bf16`` | ``fp16`` | ``fp32`` for the unquantized tensors (default: the apply's
             dtype, else bf16).
+        global_scale: ``te_reference`` | ``modelopt``: require the weight bytes to follow that
+            arithmetic (``weight_scale_2 = fl(1/fl(2688/amax))`` resp. ModelOpt's ``fl(amax/2688)``);
+            the arithmetic is the recipe's (``arithmetic:`` of weight_qdq and the NVFP4 lowering), so
+            learner QDQ and rollout bytes agree. None: whatever the source has (recorded either way).
     Raises:
         QpassError: bad output path (an existing non-export directory, a symlink ...), a missing or
             corrupt apply file (named), unknown format, a non-NVFP4 rollout, and the format's checks.
@@ -163,7 +170,8 @@ def export_checkpoint(
     from qpass.pipeline import DTYPES
 
     out = Path(out)
-    arithmetic = "te_reference"
+    if global_scale not in (None, *GLOBAL_SCALE_RULES):
+        raise QpassError(f"--global-scale must be one of {sorted(GLOBAL_SCALE_RULES)}, got {global_scale!r}")
     if fmt not in CHECKPOINT_FORMATS:
         raise QpassError(f"unknown --format {fmt!r}; known: {sorted(CHECKPOINT_FORMATS)}")
     check_output_path(out, force=force, marker=RECORD)  # before any model load
@@ -211,14 +219,19 @@ def export_checkpoint(
         if recipe is not None and fmt != "plain":
             sites, site_tensors = _build_rollout(lm, recipe)
     record["model"] = {"ref": model_ref, "name": lm.name, "dtype": dtype}
+    arithmetic = weight_arithmetic(sites)
+    if global_scale is not None and sites and global_scale != arithmetic:
+        raise QpassError(
+            f"--global-scale {global_scale}: the rollout's weight bytes follow the {arithmetic} arithmetic; a checkpoint "
+            f"cannot carry other global scales than the codes were quantized with. Use a recipe whose weight_qdq and "
+            f"w4a4_lower/w4a16_lower set `arithmetic: {global_scale}` (learner and rollout alike, so parity holds)")
     ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.act != "none" for r in sites.values()) else None
     with atomic_dir(out, force=force, marker=RECORD) as tmp:
         summary = write_checkpoint(tmp, fmt, model=lm.model, dtype=tdtype, tokenizer=lm.tokenizer, sites=sites, site_tensors=site_tensors,
-                                   calibration_ids=ids, weight_arithmetic=arithmetic, max_shard_size=max_shard_size)
+                                   calibration_ids=ids, max_shard_size=max_shard_size)
         if "calibration" in summary:
             summary["calibration"]["source"] = f"{calibration_prompts} qpass probe prompts (chat template)"
-        record.update(summary, weight_arithmetic=arithmetic if sites else None,
-                      global_scale_convention=GLOBAL_SCALE_RULES[arithmetic] if sites else None)
+        record.update(summary, global_scale_convention=GLOBAL_SCALE_RULES[arithmetic] if sites else None)
         write_json(tmp / RECORD, record)
     return record
 
@@ -256,6 +269,9 @@ def build_export_parser(prog: str = "qpass export") -> argparse.ArgumentParser:
                     help="probe prompts to calibrate the W4A4 input_scale on (default 8)")
     ap.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE,
                     help="split model.safetensors into shards + index above this size (e.g. 5GB, 200MB; default 5GB)")
+    ap.add_argument("--global-scale", choices=sorted(GLOBAL_SCALE_RULES),
+                    help="require the weight_scale_2 convention: te_reference = qpass's S_dec = fl(1/fl(2688/amax)), modelopt = "
+                         "ModelOpt's fl(amax/2688) (set by the recipe: `arithmetic: modelopt` on weight_qdq and w4a4_lower)")
     add_force(ap, RECORD)
     add_threads(ap)
     add_verbose(ap)
@@ -282,7 +298,7 @@ def main_export(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     rec = export_checkpoint(a.out, a.format, src=a.src, model=a.model, recipe=a.recipe, dtype=a.dtype, force=a.force,
-                            calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size)
+                            calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size, global_scale=a.global_scale)
     files = rec["files"]
     print(f"qpass export: {a.out} ({a.format}, {rec.get('quantized_sites', 0)} quantized sites, {files['tensors']} tensors, "
           f"{files['total_size'] / 1e6:.1f} MB{', sharded' if files['sharded'] else ''})")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qpass.checkpoint.formats import ExportInputs, RolloutSite, build_checkpoint
+from qpass.checkpoint.formats import ExportInputs, RolloutSite, build_checkpoint, weight_arithmetic
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE, plain_config, plain_state, write_hf_dir
 from qpass.errors import QpassError
 
@@ -36,7 +36,8 @@ def sites_from_rollout(rollout: Any) -> dict[str, RolloutSite]:
             continue
         if rec.kind != "nvfp4_linear":
             raise QpassError(f"rollout site {s} is {rec.kind}; qpass export writes NVFP4 checkpoints only")
-        out[s] = RolloutSite(s, rec.group, ACT_OF_SPEC[rec.act_spec.key if rec.act_spec is not None else None], rec.rac)
+        out[s] = RolloutSite(s, rec.group, ACT_OF_SPEC[rec.act_spec.key if rec.act_spec is not None else None], rec.rac,
+                             rec.spec.arithmetic)
     return out
 
 
@@ -50,7 +51,6 @@ def write_checkpoint(
     sites: Mapping[str, RolloutSite] | None = None,
     site_tensors: Mapping[str, torch.Tensor] | None = None,
     calibration_ids: Sequence[Sequence[int]] | None = None,
-    weight_arithmetic: str = "te_reference",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict[str, Any]:
     """Write checkpoint format ``fmt`` of ``model`` into the existing directory ``directory``.
@@ -62,11 +62,10 @@ def write_checkpoint(
             ``weight_scale_2`` tensors (empty: nothing quantized).
         calibration_ids: token sequences the W4A4 ``input_scale`` is calibrated on (needed when a
             site quantizes activations).
-        weight_arithmetic: the quantizer arithmetic the weight bytes follow (recorded).
     Returns:
         a summary (format's summary, calibration, files) for the export record.
     Raises:
-        QpassError: W4A4 sites without calibration ids; see the format and
+        QpassError: W4A4 sites without calibration ids; sites of two weight arithmetics; see the format and
             :func:`qpass.checkpoint.hfdir.write_hf_dir`.
     """
     sites = dict(sites or {})
@@ -82,9 +81,9 @@ def write_checkpoint(
         record["calibration"] = {"sequences": len(calibration_ids), "tokens": sum(len(i) for i in calibration_ids),
                                  "input_scale": INPUT_SCALE_RULE}
     inputs = ExportInputs(plain_config(model, dtype), plain_state(model, dtype), sites, dict(site_tensors or {}), input_amax,
-                          weight_arithmetic=weight_arithmetic)
+                          weight_arithmetic=weight_arithmetic(sites))
     content = build_checkpoint(fmt, inputs)
-    record.update(content.summary)
+    record.update(content.summary, weight_arithmetic=inputs.weight_arithmetic if sites else None)
     record["files"] = write_hf_dir(directory, config=content.config, tensors=content.tensors, tokenizer=tokenizer,
                                    generation_config=getattr(model, "generation_config", None), extra_json=content.extra_json,
                                    max_shard_size=max_shard_size)

@@ -47,12 +47,14 @@ class RolloutSite:
         group: fused-group id (members share the weight amax and, for W4A4, the input scale).
         act: ``nvfp4`` (W4A4, dynamic per-tensor), ``nvfp4_per_token`` or ``none`` (W4A16).
         rac: residual activation compensation of the site, or None.
+        arithmetic: the weight quantizer arithmetic its bytes follow (``NVFP4Spec.arithmetic``).
     """
 
     site: str
     group: str
     act: ActMode
     rac: RACConfig | None = None
+    arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
 
 
 @dataclasses.dataclass
@@ -189,6 +191,19 @@ def w4a4_input_scales(inputs: ExportInputs, rule: Callable[[torch.Tensor], torch
     return out
 
 
+def weight_arithmetic(sites: Mapping[str, RolloutSite]) -> str:
+    """The one weight arithmetic of the quantized sites (``te_reference`` when there are none).
+
+    Raises:
+        QpassError: sites quantized with different arithmetics.
+    """
+    found = {r.arithmetic for r in sites.values()} or {"te_reference"}
+    if len(found) > 1:
+        by = {a: sorted(s for s, r in sites.items() if r.arithmetic == a)[0] for a in found}
+        raise QpassError(f"the rollout mixes weight arithmetics {by} (arithmetic: example site); a checkpoint records one")
+    return found.pop()
+
+
 def act_mode(inputs: ExportInputs) -> ActMode:
     """The one activation mode of the quantized sites.
 
@@ -283,7 +298,7 @@ def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
 GLOBAL_SCALE_RULES = {
     "te_reference": "S_dec = fl(1/fl(2688/amax)) (qpass / TransformerEngine reference; ModelOpt writes fl(amax/2688), "
                     "which differs by one ulp for some amax)",
-    "modelopt": "fl(amax/2688) (ModelOpt's arithmetic)",
+    "modelopt": "fl(amax/2688) (ModelOpt 0.47's arithmetic; codes and block scales too)",
 }
 
 
