@@ -348,18 +348,68 @@ def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
     qconfig = {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {}, "transform_config": {},
                **qc.model_dump(exclude=["quant_method"])}
     tensors = unquantized_tensors(inputs)
-    for name, t in site_tensors_checked(inputs).items():
-        site, _, suffix = name.rpartition(".")
-        if suffix == "weight":
-            tensors[f"{site}.weight_packed"] = t
-        elif suffix == "weight_scale":
-            tensors[name] = t
-        else:  # weight_scale_2 = S_dec; compressed-tensors stores the encode divisor S_enc the quantizer used
-            enc = inputs.site_tensors.get(f"{site}.weight_global_scale")
-            if enc is None:
-                raise QpassError(f"quantized site {site}: no {site}.weight_global_scale (S_enc) among the rollout tensors")
-            tensors[f"{site}.weight_global_scale"] = enc.detach().float().reshape(1).clone()
+    checked = site_tensors_checked(inputs)
+    groups: dict[str, list[str]] = {}
+    for site in sorted(inputs.sites):
+        tensors[f"{site}.weight_packed"] = checked[f"{site}.weight"]
+        tensors[f"{site}.weight_scale"] = checked[f"{site}.weight_scale"]
+        groups.setdefault(inputs.sites[site].group, []).append(site)
+    moved, inexact = 0, []
+    for gid, members in sorted(groups.items()):
+        enc = inputs.site_tensors.get(f"{members[0]}.weight_global_scale")
+        if enc is None:
+            raise QpassError(f"quantized site {members[0]}: no {members[0]}.weight_global_scale (S_enc) among the rollout tensors")
+        gs, off = decode_exact_global_scale([checked[f"{m}.weight_scale"] for m in members], checked[f"{members[0]}.weight_scale_2"],
+                                            enc.detach().float().reshape(()))
+        moved += off is not None and off != 0
+        if off is None:
+            inexact.append(gid)
+        for m in members:
+            tensors[f"{m}.weight_global_scale"] = gs.reshape(1).clone()
     if act == "nvfp4":
         tensors |= {k: v.reshape(1) for k, v in w4a4_input_scales(inputs, input_global_scale, "input_global_scale").items()}
     return CheckpointContent(dict(inputs.config) | {"quantization_config": qconfig}, dict(sorted(tensors.items())),
-                             summary={"quantized_sites": len(inputs.sites), "act": act})
+                             summary={"quantized_sites": len(inputs.sites), "act": act, "weight_global_scale": {
+                                 "rule": "S_enc, or the nearest float32 (<= 8 ulp) with which compressed-tensors' decode "
+                                         "bf16(code * fl(s_b / gs)) equals qpass's bf16(fl(code * s_b) * S_dec) for every code and block scale",
+                                 "groups_moved_off_s_enc": moved, "groups_not_decode_exact": inexact}})
+
+
+E2M1_MAGNITUDES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def decode_exact_global_scale(scales: list[torch.Tensor], s_dec: torch.Tensor, s_enc: torch.Tensor,
+                              max_ulps: int = 8) -> tuple[torch.Tensor, int | None]:
+    """The ``weight_global_scale`` under which compressed-tensors decodes a fused group exactly as qpass does.
+
+    compressed-tensors decodes ``bf16(fl(code * fl(bf16(s_b) / gs)))`` (``NVFP4PackedCompressor.decompress``
+    -> ``_dequantize``: ``scale / global_scale`` then ``x_q * scale``), qpass ``bf16(fl(fl(code * s_b) * S_dec))``
+    (:func:`qpass.quant.nvfp4.nvfp4_dequantize`). With ``gs = S_enc`` the two differ by one bf16 ulp on
+    some (code, block scale) pairs; this tries ``S_enc``, then ``fl(1/S_dec)`` and its float32 neighbours
+    up to ``max_ulps`` away, and returns the first ``gs`` for which every E2M1 magnitude times every
+    block-scale value present in the group decodes identically (a superset of the pairs in the tensor).
+
+    Args:
+        scales: float8_e4m3fn block scales of every member of the group.
+        s_dec, s_enc: float32 0-d global scales of the group.
+    Returns:
+        ``(gs float32 0-d, ulps from S_enc)`` (0: ``S_enc`` itself); ``(S_enc, None)`` when no exact value
+        exists within ``max_ulps`` (the decode then differs by one bf16 ulp somewhere).
+    """
+    sb = torch.cat([t.float().reshape(-1) for t in scales]).unique()
+    mags = torch.tensor(E2M1_MAGNITUDES)
+    c, b = mags.repeat(len(sb)), sb.repeat_interleave(len(mags))
+    want = ((c * b) * s_dec.float()).to(torch.bfloat16).view(torch.int16)
+    b16 = b.to(torch.bfloat16).float()
+
+    def exact(gs: torch.Tensor) -> bool:
+        return bool(torch.equal((c * (b16 / gs)).to(torch.bfloat16).view(torch.int16), want))
+
+    if exact(s_enc):
+        return s_enc, 0
+    base = int((torch.ones(()) / s_dec.float()).view(torch.int32))
+    for off in [x for i in range(0, max_ulps + 1) for x in ((i,) if i == 0 else (i, -i))]:
+        gs = torch.tensor(base + off, dtype=torch.int32).view(torch.float32)
+        if exact(gs):
+            return gs, int(gs.view(torch.int32)) - int(s_enc.float().view(torch.int32))
+    return s_enc, None
