@@ -26,9 +26,10 @@ def _options(parser) -> set[str]:
 def test_one_tree_with_shared_flags():
     ap = build_parser()
     sub = next(a for a in ap._actions if a.dest == "command")
-    assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "recipes", "bench", "grpo", "grpo-plot", "study"}
+    assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "export", "recipes", "bench", "grpo", "grpo-plot", "study"}
     shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose"},
               "check": {"--threads", "--dtype", "-v", "--verbose"},
+              "export": {"--threads", "--force", "-v", "--verbose"},
               "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose"},
               "study": {"--threads", "--force", "-v", "--verbose"}}
     for name, flags in shared.items():

@@ -9,6 +9,13 @@
 * :mod:`qpass.checkpoint.tensors` — master weights (HF names) -> checkpoint tensors with qpass's
   quantizer (one amax per fused group), rollout outputs -> named tensors, fused-group and TP-shard
   checks: what an initial load, a live weight update and ``qpass export`` all write.
+* :mod:`qpass.checkpoint.formats` — the checkpoint formats (``plain``, ``qpass`` ...) as registered
+  functions: tensors + ``config.json`` ``quantization_config`` + extra files.
+* :mod:`qpass.checkpoint.hfdir` — writing / reading a Hugging Face checkpoint directory (config,
+  generation config, tokenizer, ``model.safetensors`` or shards + index).
+* :mod:`qpass.checkpoint.calibrate` — static W4A4 ``input_scale`` calibrated on prompts.
+* :mod:`qpass.checkpoint.export` — :func:`write_checkpoint`: model + rollout sites -> a checkpoint
+  directory (``qpass export`` and engines that start from a checkpoint).
 """
 
 from qpass.checkpoint.params import ParamSpec, check_site_tensors, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes

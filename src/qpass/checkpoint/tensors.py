@@ -28,7 +28,7 @@ import torch
 from qpass.checkpoint.params import check_site_tensors
 from qpass.errors import QpassError
 from qpass.graph.sites import DEFAULT_EXCLUDE, _group_of, _matches
-from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.formats.spec import nvfp4_weight_spec
 from qpass.quant.nvfp4 import NVFP4Tensor
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
@@ -127,7 +127,7 @@ def check_fused_global_scales(named: Mapping[str, torch.Tensor]) -> dict[str, in
 
 def quantize_state_dict(
     state: Mapping[str, torch.Tensor], *, targets: Sequence[str] = ("*",), exclude: Sequence[str] = DEFAULT_EXCLUDE,
-    process_group: object | None = None,
+    process_group: object | None = None, arithmetic: str = "te_reference",
 ) -> list[tuple[str, torch.Tensor]]:
     """Trainer side: HF-named learner weights -> checkpoint-format named tensors for an engine.
 
@@ -140,6 +140,8 @@ def quantize_state_dict(
         targets, exclude: site selectors as in recipes (globs or ``re:``).
         process_group: if the weights are sharded over ranks along K or N (each rank passes its
             shards), the group amax is all-reduced with MAX over it.
+        arithmetic: the weight quantizer arithmetic (``te_reference`` | ``modelopt``, the
+            checkpoint's ``weight_arithmetic``; ``NVFP4Spec.arithmetic``).
     Returns:
         Sorted ``(name, tensor)`` pairs.
     """
@@ -154,8 +156,9 @@ def quantize_state_dict(
             groups.setdefault(_group_of(site), {})[site] = t.detach()
         else:
             out[name] = t
+    spec = nvfp4_weight_spec(arithmetic)
     for members in groups.values():
-        quantized = quantize_site_weights(NVFP4_WEIGHT, members, names={s: f"{s}.weight" for s in members},
+        quantized = quantize_site_weights(spec, members, names={s: f"{s}.weight" for s in members},
                                           process_group=process_group)
         for site, sw in quantized.items():
             out.update(checkpoint_tensors(site, sw.tensor))

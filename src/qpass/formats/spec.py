@@ -77,6 +77,13 @@ class NVFP4Spec:
         global_scale: how exported checkpoints store the global scale (both bit patterns are kept
             in memory; this only picks the exported name).
         scale_layout: layout of exported scale bytes.
+        arithmetic: which quantizer arithmetic produces the bytes (weights only): ``te_reference``
+            (SPEC §3, TransformerEngine reference: ``S_enc = fl(2688/amax)``, ``S_dec = fl(1/S_enc)``)
+            or ``modelopt`` (NVIDIA ModelOpt 0.47 export: ``S_dec = weight_scale_2 = fl(amax/2688)``,
+            block scale ``fl(vmax/fl(6*S_dec))`` (exact 0 -> 1.0) clamped to ``[2^-9, 448]``,
+            element ``fl(x/fl(s_b*S_dec))``; see :func:`qpass.quant.nvfp4.quantize_with_amax_modelopt`).
+            Learner QDQ, rollout lowering and sync all quantize with the spec's arithmetic, so a
+            recipe that selects ``modelopt`` on both sides keeps bit-level parity.
     """
 
     name: Literal["nvfp4"] = "nvfp4"
@@ -90,9 +97,13 @@ class NVFP4Spec:
     tie_rule: TieRule = TieRule.NEAREST_EVEN
     zero_scale_rule: ZeroScaleRule = ZeroScaleRule.KEEP_ZERO
     nibble_order: Literal["low_even"] = "low_even"
-    arithmetic: Literal["te_reference"] = "te_reference"
+    arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
 
     def __post_init__(self) -> None:
+        if self.arithmetic not in ("te_reference", "modelopt"):
+            raise ValueError(f"NVFP4 arithmetic must be 'te_reference' or 'modelopt', got {self.arithmetic!r}")
+        if self.arithmetic == "modelopt" and self.role != "weight":
+            raise ValueError("the modelopt NVFP4 arithmetic is a weight quantizer (activations use the te_reference one)")
         if self.block_size != 16:
             raise ValueError(f"NVFP4 uses 1x16 blocks, got block_size={self.block_size}; use MXFP4Spec for 1x32")
         if self.role == "weight" and self.global_scope != "per_tensor":
@@ -100,8 +111,10 @@ class NVFP4Spec:
 
     @property
     def key(self) -> str:
-        """Stable string id used in reports and lowering tables, e.g. ``nvfp4.weight.per_tensor``."""
-        return f"{self.name}.{self.role}.{self.global_scope}"
+        """Stable string id used in reports and lowering tables, e.g. ``nvfp4.weight.per_tensor``
+        (``nvfp4.weight.per_tensor.modelopt`` for the ModelOpt arithmetic)."""
+        base = f"{self.name}.{self.role}.{self.global_scope}"
+        return base if self.arithmetic == "te_reference" else f"{base}.{self.arithmetic}"
 
     @property
     def has_global_scale(self) -> bool:
@@ -176,6 +189,9 @@ QuantSpec = NVFP4Spec | MXFP4Spec | FP8Spec
 
 # The canonical specs the recipes refer to by name.
 NVFP4_WEIGHT = NVFP4Spec(role="weight")
+# Not in ALL_SPECS (the backends' claims): only the reference quantizer implements this arithmetic;
+# backends keyed by canonical spec keys (Triton quantizers, ONNX emitters) refuse it by name.
+NVFP4_WEIGHT_MODELOPT = NVFP4Spec(role="weight", arithmetic="modelopt")
 NVFP4_ACT = NVFP4Spec(role="activation", global_scope="per_tensor")
 NVFP4_ACT_PER_TOKEN = NVFP4Spec(role="activation", global_scope="per_token")
 MXFP4_WEIGHT = MXFP4Spec(role="weight")
@@ -196,13 +212,26 @@ ALL_SPECS: tuple[QuantSpec, ...] = (
 )
 
 
+def nvfp4_weight_spec(arithmetic: str = "te_reference") -> NVFP4Spec:
+    """The canonical NVFP4 weight spec of ``arithmetic`` (``te_reference`` | ``modelopt``).
+
+    Raises:
+        ValueError: unknown arithmetic.
+    """
+    specs = {"te_reference": NVFP4_WEIGHT, "modelopt": NVFP4_WEIGHT_MODELOPT}
+    if arithmetic not in specs:
+        raise ValueError(f"NVFP4 weight arithmetic must be one of {sorted(specs)}, got {arithmetic!r}")
+    return specs[arithmetic]
+
+
 def spec_by_key(key: str) -> QuantSpec:
-    """Look up a canonical spec by its ``key`` (``nvfp4.weight.per_tensor`` ...).
+    """Look up a canonical spec by its ``key`` (``nvfp4.weight.per_tensor`` ...; also
+    ``nvfp4.weight.per_tensor.modelopt``).
 
     Raises:
         KeyError: unknown key; the message lists the known ones.
     """
-    for spec in ALL_SPECS:
+    for spec in (*ALL_SPECS, NVFP4_WEIGHT_MODELOPT):
         if spec.key == key:
             return spec
     raise KeyError(f"unknown quantization spec {key!r}; known: {[s.key for s in ALL_SPECS]}")

@@ -21,7 +21,7 @@ from typing import Any
 import networkx as nx
 import torch
 
-from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.formats.spec import NVFP4Spec, nvfp4_weight_spec
 from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
 from qpass.ops import WEIGHT_OPERAND_DTYPE
@@ -100,6 +100,11 @@ class BitexactReport:
 
 
 # ---------------------------------------------------------------------------------------------- structure
+def _nvfp4_weight(spec: object) -> bool:
+    """An NVFP4 weight spec of either arithmetic (``te_reference`` / ``modelopt``)."""
+    return isinstance(spec, NVFP4Spec) and spec.role == "weight"
+
+
 def _learner_qdq_sites(learner: QGraph) -> dict[str, dict[str, Any]]:
     """site -> {spec, group_members (weight attr paths)} read off the learner graph itself."""
     qdq_op, amax_op = torch.ops.qpass.nvfp4_qdq.default, torch.ops.qpass.group_amax.default
@@ -113,8 +118,8 @@ def _learner_qdq_sites(learner: QGraph) -> dict[str, dict[str, Any]]:
             wa = op_args(w)
             amax = wa["amax"]
             members = [str(m.target) for m in op_args(amax)["tensors"]] if getattr(amax, "target", None) == amax_op else []
-            out[site] = {"spec": NVFP4_WEIGHT, "members": sorted(members), "weight": str(wa["w"].target),
-                         "site_arg": wa["site"]}
+            out[site] = {"spec": nvfp4_weight_spec(wa.get("arithmetic", "te_reference")), "members": sorted(members),
+                         "weight": str(wa["w"].target), "site_arg": wa["site"]}
     return out
 
 
@@ -157,7 +162,7 @@ def check_structural(learner: QGraph, rollout: QGraph) -> StructuralReport:
     problems: list[str] = []
     lsites = _learner_qdq_sites(learner)
     matched = 0
-    rq = {s: r for s, r in rollout.quant.items() if r.lowered and r.spec == NVFP4_WEIGHT}
+    rq = {s: r for s, r in rollout.quant.items() if r.lowered and _nvfp4_weight(r.spec)}
     for sid, rec in rq.items():
         ls = lsites.get(sid)
         if ls is None:
@@ -205,7 +210,7 @@ def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_diverge
     lparams = dict(learner.gm.named_parameters(remove_duplicate=False))
     groups: dict[str, list[str]] = {}
     for sid, rec in rollout.quant.items():
-        if rec.lowered and rec.spec == NVFP4_WEIGHT:
+        if rec.lowered and _nvfp4_weight(rec.spec):
             groups.setdefault(rec.group, []).append(sid)
     out, skipped = [], []
     for gid, sids in groups.items():
@@ -223,13 +228,14 @@ def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_diverge
         for sid, w in zip(sids, ws):
             c = rollout.quant[sid].constants
             codes, scales, s_dec = (rollout.gm.get_buffer(c[k]) for k in ("codes", "scales", "s_dec"))
-            mine = parity_object(nvfp4_quantize(w, amax, site=sid), sid)
+            lspec = learner.quant[sid].spec  # the learner's arithmetic (structural parity checks it equals the rollout's)
+            mine = parity_object(nvfp4_quantize(w, amax, spec=lspec, site=sid), sid)
             theirs = parity_object_from_parts(codes, scales, s_dec, sid)
             d = compare_parity(mine, theirs, sid)
             diffs.append(d)
             # what each side multiplies: the learner's QDQ output (model dtype) and the rollout op's
             # decoded weight operand (WEIGHT_OPERAND_DTYPE), compared as exact float32 values
-            w_hat = torch.ops.qpass.nvfp4_qdq(w, amax, sid)
+            w_hat = torch.ops.qpass.nvfp4_qdq(w, amax, sid, lspec.arithmetic)
             deq = nvfp4_dequantize(NVFP4Tensor.from_parts(codes, scales, s_dec), WEIGHT_OPERAND_DTYPE)
             same = bool(torch.equal(w_hat.float(), deq.float()))
             if not same:

@@ -26,7 +26,7 @@ import re
 from typing import Literal
 
 from qpass import ops  # noqa: F401 - registers the rollout ops and their table entries
-from qpass.formats.spec import NVFP4_WEIGHT, FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec
+from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec, nvfp4_weight_spec
 from qpass.graph.opargs import args_in_schema_order
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
@@ -113,6 +113,7 @@ class LinearLower(Pass):
 
 class NVFP4LowerOptions(PassOptions):
     act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
+    arithmetic: Literal["te_reference", "modelopt"] = "te_reference"  # weight quantizer (NVFP4Spec.arithmetic); match weight_qdq
 
 
 class W4A16LowerOptions(NVFP4LowerOptions):
@@ -124,7 +125,7 @@ class _NVFP4Lower(LinearLower):
 
     def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
         act = self.options.act
-        return NVFP4_WEIGHT, (None if act == "none" else nvfp4_act_spec(act == "nvfp4_per_token"))
+        return nvfp4_weight_spec(self.options.arithmetic), (None if act == "none" else nvfp4_act_spec(act == "nvfp4_per_token"))
 
 
 @register_pass

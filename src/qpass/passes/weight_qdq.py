@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.formats.spec import nvfp4_weight_spec
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
@@ -34,6 +34,7 @@ from qpass.passes.common import aten_linear_nodes, copy_meta, finish, graph_orde
 
 class WeightQDQOptions(PassOptions):
     format: Literal["nvfp4"] = "nvfp4"
+    arithmetic: Literal["te_reference", "modelopt"] = "te_reference"  # NVFP4Spec.arithmetic; the rollout lowering must match
 
 
 @register_pass
@@ -51,6 +52,8 @@ class WeightQDQ(Pass):
         sites, res.skipped = selected(qg, self.options, need_nvfp4=True)
         g = qg.gm.graph
         order = graph_order(qg)
+        spec = nvfp4_weight_spec(self.options.arithmetic)
+        extra = () if spec.arithmetic == "te_reference" else (spec.arithmetic,)  # older graphs: three arguments
         for gid, members in grouped(sites).items():
             nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
             for s in members:
@@ -67,12 +70,12 @@ class WeightQDQ(Pass):
             for s in members:
                 for lin in nodes[s.id]:
                     with g.inserting_before(lin):
-                        w_hat = g.call_function(torch.ops.qpass.nvfp4_qdq.default, (lin.args[1], amax, s.id))
+                        w_hat = g.call_function(torch.ops.qpass.nvfp4_qdq.default, (lin.args[1], amax, s.id, *extra))
                     copy_meta(lin.args[1], w_hat, qpass_site=s.id, qpass_qdq_site=s.id)
                     lin.update_arg(1, w_hat)
                 prev = qg.quant.get(s.id)
                 qg.quant[s.id] = SiteQuant(
-                    site=s.id, weight=s.weight, group=gid, members=tuple(m.id for m in members), spec=NVFP4_WEIGHT,
+                    site=s.id, weight=s.weight, group=gid, members=tuple(m.id for m in members), spec=spec,
                     act_spec=prev.act_spec if prev else None, op="qpass::nvfp4_qdq",
                 )
                 res.sites.append(s.id)

@@ -27,7 +27,7 @@ import torch
 from qpass.errors import QuantizationError
 from qpass.formats.e2m1 import e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
 from qpass.formats.e4m3 import e4m3_round_magnitude
-from qpass.formats.fp32 import FLT_MAX, NVFP4_GLOBAL_NUMERATOR
+from qpass.formats.fp32 import FLT_MAX, FP4_E2M1_MAX, FP8_E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN, NVFP4_WEIGHT, NVFP4Spec
 from qpass.quant.checks import check_float_input, describe
 from qpass.quant.groups import allreduce_max, tensor_amax
@@ -201,8 +201,52 @@ def nvfp4_quantize(
             amax_t = amax_t.reshape(())  # a [1]-shaped amax (checkpoint convention) is a scalar
         _check_amax(amax_t, x, per_token, name, site)
     amax_t = allreduce_max(amax_t, process_group)
-
+    if spec.arithmetic == "modelopt":
+        return quantize_with_amax_modelopt(x, amax_t, spec=spec, name=name, site=site)
     return quantize_with_amax(x, amax_t, spec=spec)
+
+
+MODELOPT_MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt 0.47 _cast_per_block_scale_to_fp8: clamp(min=2**-9, max=448)
+
+
+def quantize_with_amax_modelopt(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec, name: str | None = None,
+                                site: str | None = None) -> NVFP4Tensor:
+    """NVIDIA ModelOpt 0.47's NVFP4 weight export arithmetic (CPU eager), for an already-final amax::
+
+        S_dec = fl(amax / 2688)                          weight_scale_2 (decode multiplier)
+        sf    = fl(vmax / fl(6 * S_dec));  sf == 0 -> 1.0
+        s_b   = e4m3_rne(clamp(sf, 2^-9, 448))
+        q     = e2m1_rne_sat(fl(x / fl(s_b * S_dec)))
+
+    ``S_enc`` is reported as ``fl(1/S_dec)`` (ModelOpt stores no encode scale; it is what a loader
+    inverts). Decoding is the same as for every NVFP4 tensor (:func:`nvfp4_dequantize`). Per-tensor
+    amax only (weights).
+
+    Raises:
+        QuantizationError: ``amax == 0`` (ModelOpt divides by ``S_dec = 0``: NaN block scales) or
+            a per-row amax, naming the tensor.
+    Source: Model-Optimizer 0.47.0 ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``
+    (``get_weights_scaling_factor_2``, ``get_weights_scaling_factor``, ``_cast_per_block_scale_to_fp8``,
+    ``quantize``, ``_cast_fp4``), read from the installed wheel; checked byte for byte against a
+    real ModelOpt export in ``tests/test_export.py``.
+    """
+    amax = amax.float()
+    if amax.dim() != 0:
+        raise QuantizationError(f"the modelopt NVFP4 arithmetic takes one per-tensor amax ({describe(name, site)})")
+    if not bool(amax > 0):
+        raise QuantizationError(f"the modelopt NVFP4 arithmetic has no bytes for amax == 0 ({describe(name, site)}: "
+                                "ModelOpt would divide by weight_scale_2 = 0)")
+    s_dec = amax / torch.full_like(amax, FP4_E2M1_MAX * FP8_E4M3_MAX)
+    lead, k = x.shape[:-1], x.shape[-1]
+    xb = x.float().reshape(*lead, k // BLOCK, BLOCK)
+    vmax = xb.abs().amax(dim=-1)
+    sf = vmax / (torch.full_like(s_dec, FP4_E2M1_MAX) * s_dec)
+    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
+    s_b = e4m3_round_magnitude(torch.clamp(sf, min=MODELOPT_MIN_BLOCK_SCALE, max=FP8_E4M3_MAX))
+    y = torch.clamp(xb / (s_b * s_dec).unsqueeze(-1), -FP4_E2M1_MAX, FP4_E2M1_MAX)
+    codes = e2m1_encode(y).reshape(*lead, k)
+    return NVFP4Tensor(codes=pack_e2m1(codes), scales=s_b.to(torch.float8_e4m3fn), s_dec=s_dec,
+                       s_enc=torch.ones_like(s_dec) / s_dec, amax=amax, shape=x.shape, orig_dtype=x.dtype, spec=spec)
 
 
 def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec = NVFP4_WEIGHT) -> NVFP4Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec
+from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec, nvfp4_weight_spec
 from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
 
 
@@ -48,14 +48,15 @@ group_amax_op.register_autograd(_no_grad_backward, setup_context=_no_grad_setup)
 
 
 @torch.library.custom_op("qpass::nvfp4_qdq", mutates_args=())
-def nvfp4_qdq_op(w: torch.Tensor, amax: torch.Tensor, site: str) -> torch.Tensor:
-    """Reference NVFP4 weight fake-quant (see module docstring)."""
-    q = nvfp4_quantize(w, amax, spec=NVFP4_WEIGHT, name="weight", site=site or None)
+def nvfp4_qdq_op(w: torch.Tensor, amax: torch.Tensor, site: str, arithmetic: str = "te_reference") -> torch.Tensor:
+    """Reference NVFP4 weight fake-quant (see module docstring); ``arithmetic`` = ``NVFP4Spec.arithmetic``
+    (``te_reference`` | ``modelopt``; graphs built before the option call it with three arguments)."""
+    q = nvfp4_quantize(w, amax, spec=nvfp4_weight_spec(arithmetic), name="weight", site=site or None)
     return nvfp4_dequantize(q, w.dtype)
 
 
 @nvfp4_qdq_op.register_fake
-def _nvfp4_qdq_fake(w: torch.Tensor, amax: torch.Tensor, site: str) -> torch.Tensor:
+def _nvfp4_qdq_fake(w: torch.Tensor, amax: torch.Tensor, site: str, arithmetic: str = "te_reference") -> torch.Tensor:
     return torch.empty_like(w)
 
 
@@ -64,7 +65,7 @@ def _ste_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library sig
 
 
 def _ste_weight_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
-    return grad, None, None
+    return grad, None, None, None
 
 
 nvfp4_qdq_op.register_autograd(_ste_weight_backward, setup_context=_ste_setup)
@@ -89,22 +90,25 @@ def _ste_act_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
 nvfp4_act_qdq_op.register_autograd(_ste_act_backward, setup_context=_ste_setup)
 
 
-def nvfp4_qdq(w: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
+def nvfp4_qdq(w: torch.Tensor, amax: torch.Tensor | None = None, site: str = "", arithmetic: str = "te_reference") -> torch.Tensor:
     """Straight-through NVFP4 fake quant of a weight: ``DQ(Q(w))`` forward, identity backward.
 
     Args:
         w: bf16/fp16/fp32 weight ``(N, K)``, ``K % 16 == 0``.
         amax: float32 0-dim group amax; ``None`` = ``max|w|`` (a group of one).
         site: site id used in error messages.
+        arithmetic: ``te_reference`` (SPEC §3) or ``modelopt`` (``NVFP4Spec.arithmetic``).
     Returns:
         Tensor like ``w``: the dequantized weight, bit-identical to
-        ``nvfp4_dequantize(nvfp4_quantize(w, amax), w.dtype)``.
+        ``nvfp4_dequantize(nvfp4_quantize(w, amax, spec=nvfp4_weight_spec(arithmetic)), w.dtype)``.
     Raises:
         QuantizationError: as :func:`qpass.quant.nvfp4.nvfp4_quantize`.
     """
     if amax is None:
         amax = group_amax_op([w])
-    return nvfp4_qdq_op(w, amax, site)
+    if arithmetic == "te_reference":
+        return nvfp4_qdq_op(w, amax, site)
+    return nvfp4_qdq_op(w, amax, site, arithmetic)
 
 
 @torch.library.custom_op("qpass::qdq", mutates_args=())
@@ -136,7 +140,7 @@ def _register_tables() -> None:
 
     def nvfp4(spec: NVFP4Spec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
         if spec.role == "weight":
-            return nvfp4_qdq_op(x, amax if amax is not None else group_amax_op([x]), site)
+            return nvfp4_qdq(x, amax, site, spec.arithmetic)
         return nvfp4_act_qdq_op(x, site, spec.global_scope == "per_token")
 
     def generic(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:

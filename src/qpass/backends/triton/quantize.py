@@ -76,6 +76,9 @@ def raise_if_nonfinite(bits: torch.Tensor, x: torch.Tensor, op: str, name: str |
 
 
 def _resolve_spec(per_token: bool, spec: NVFP4Spec | None) -> NVFP4Spec:
+    if spec is not None and spec.arithmetic != "te_reference":
+        raise QuantizationError(f"the Triton NVFP4 quantizers implement the te_reference arithmetic only, not {spec.key} "
+                                "(use the reference quantizer)")
     if spec is None:
         return NVFP4_ACT_PER_TOKEN if per_token else NVFP4_WEIGHT
     if (spec.global_scope == "per_token") != bool(per_token) and per_token:

@@ -1,0 +1,90 @@
+"""Model + rollout sites -> a checkpoint directory (the core of ``qpass export``; engines call it too).
+
+:func:`write_checkpoint` writes a checkpoint of a registered format (:mod:`qpass.checkpoint.formats`)
+from a loaded HF model (its config, every tensor in the export dtype), the NVFP4 rollout sites
+(:func:`sites_from_rollout` of a rollout ``QGraph``, or the apply's ``hf_quant_config.json``) and
+their checkpoint tensors, calibrating the W4A4 ``input_scale`` on given token sequences. It
+writes into an existing (temporary) directory; making the result atomic is the caller's job
+(``qpass export`` uses :func:`qpass.atomic.atomic_dir`; a vLLM engine writes into a fresh temp dir).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qpass.checkpoint.formats import ExportInputs, RolloutSite, build_checkpoint, weight_arithmetic
+from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE, plain_config, plain_state, write_hf_dir
+from qpass.errors import QpassError
+
+ACT_OF_SPEC = {None: "none", "nvfp4.activation.per_tensor": "nvfp4", "nvfp4.activation.per_token": "nvfp4_per_token"}
+INPUT_SCALE_RULE = "fl(group_amax / 2688), decode multiplier, shared per fused group"
+
+
+def sites_from_rollout(rollout: Any) -> dict[str, RolloutSite]:
+    """The NVFP4 sites of a rollout ``QGraph`` (its quant records; unlowered sites are skipped).
+
+    Raises:
+        QpassError: a lowered site that is not NVFP4 (FP8 / MXFP4 have no checkpoint format here).
+    """
+    out = {}
+    for s, rec in rollout.quant.items():
+        if not rec.lowered:
+            continue
+        if rec.kind != "nvfp4_linear":
+            raise QpassError(f"rollout site {s} is {rec.kind}; qpass export writes NVFP4 checkpoints only")
+        out[s] = RolloutSite(s, rec.group, ACT_OF_SPEC[rec.act_spec.key if rec.act_spec is not None else None], rec.rac,
+                             rec.spec.arithmetic)
+    return out
+
+
+def write_checkpoint(
+    directory: str | Path,
+    fmt: str,
+    *,
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    tokenizer: Any = None,
+    sites: Mapping[str, RolloutSite] | None = None,
+    site_tensors: Mapping[str, torch.Tensor] | None = None,
+    calibration_ids: Sequence[Sequence[int]] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> dict[str, Any]:
+    """Write checkpoint format ``fmt`` of ``model`` into the existing directory ``directory``.
+
+    Args:
+        model: the HF causal LM whose config and tensors (master weights) are exported.
+        dtype: dtype of the unquantized tensors (bf16 / fp16 / fp32).
+        sites, site_tensors: the NVFP4 rollout sites and their ``<site>.weight`` / ``weight_scale`` /
+            ``weight_scale_2`` tensors (empty: nothing quantized).
+        calibration_ids: token sequences the W4A4 ``input_scale`` is calibrated on (needed when a
+            site quantizes activations).
+    Returns:
+        a summary (format's summary, calibration, files) for the export record.
+    Raises:
+        QpassError: W4A4 sites without calibration ids; sites of two weight arithmetics; see the format and
+            :func:`qpass.checkpoint.hfdir.write_hf_dir`.
+    """
+    sites = dict(sites or {})
+    record: dict[str, Any] = {}
+    input_amax = None
+    w4a4 = {s: r.group for s, r in sites.items() if r.act != "none"}
+    if w4a4 and fmt != "plain":
+        from qpass.checkpoint import calibrate
+
+        if not calibration_ids:
+            raise QpassError(f"{len(w4a4)} W4A4 site(s) need calibration prompts for their input_scale")
+        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4)
+        record["calibration"] = {"sequences": len(calibration_ids), "tokens": sum(len(i) for i in calibration_ids),
+                                 "input_scale": INPUT_SCALE_RULE}
+    inputs = ExportInputs(plain_config(model, dtype), plain_state(model, dtype), sites, dict(site_tensors or {}), input_amax,
+                          weight_arithmetic=weight_arithmetic(sites))
+    content = build_checkpoint(fmt, inputs)
+    record.update(content.summary, weight_arithmetic=inputs.weight_arithmetic if sites else None)
+    record["files"] = write_hf_dir(directory, config=content.config, tensors=content.tensors, tokenizer=tokenizer,
+                                   generation_config=getattr(model, "generation_config", None), extra_json=content.extra_json,
+                                   max_shard_size=max_shard_size)
+    return record
