@@ -184,9 +184,15 @@ def nvfp4_linear(
     rac_selection: str,
     rac_channels: torch.Tensor | None,
 ) -> torch.Tensor:
-    """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring)."""
+    """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring).
+
+    An input without rows (an MoE expert no token was routed to in this batch) gives an empty
+    output without quantizing anything (there is no amax to take).
+    """
     if act not in ACT_MODES:
         raise QpassError(f"nvfp4_linear at site {site}: act must be one of {ACT_MODES}, got {act!r}")
+    if x.numel() == 0:
+        return x.new_zeros((*x.shape[:-1], w_codes.shape[0]))
     fn = _dispatch("qpass::nvfp4_linear", NVFP4_WEIGHT, x.device)
     return fn(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels)
 
