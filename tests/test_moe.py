@@ -250,3 +250,33 @@ def test_logprob_gap_with_and_without_routing_replay(moe_pipes):
     assert mm["layers"]["layers.0"]["mismatch"] > 0  # W4A4 rollout vs W4A16 learner routes differ somewhere
     plain = logprob_gap(learner, rollout, prompts, pad_token_id=0, eos_token_id=1, max_new_tokens=6)
     assert torch.equal(plain.d, gap.d) and plain.replay is None  # the no-replay path is the plain check
+
+
+def test_fused_moe_export_round_trip_and_one_w13_scale(moe_pipes):
+    from qpass.apps.artifacts import rollout_tensors
+    from qpass.errors import QpassError
+    from qpass.moe.export import checkpoint_name, fused_moe_params, unfuse_moe_params
+    from qpass.recipe import load_recipe
+
+    ro = moe_pipes["qwen3_moe"].build_side(load_recipe("quads_nvfp4_moe"), "rollout", share_params=True)
+    per_site = rollout_tensors(ro)
+    fused = fused_moe_params(per_site)
+    p = "model.layers.1.mlp.experts."
+    assert fused[p + "w13_weight"].shape == (E, 2 * I_MOE, H // 2) and fused[p + "w13_weight"].dtype == torch.uint8
+    assert fused[p + "w13_weight_scale"].shape == (E, 2 * I_MOE, H // 16)
+    assert fused[p + "w13_weight_scale_2"].shape == (E, 2) and fused[p + "w2_weight_scale_2"].shape == (E,)
+    g13 = fused[p + "w13_weight_scale_2"]
+    assert torch.equal(g13[:, 0].view(torch.int32), g13[:, 1].view(torch.int32))  # one w13 scale per expert
+    back = unfuse_moe_params(fused)
+    expert_keys = {k for k in per_site if ".experts." in k and not k.endswith("weight_global_scale")}
+    assert set(back) == expert_keys
+    for k in expert_keys:
+        a, b = per_site[k], back[k]
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), k
+    bad = dict(per_site)
+    bad["model.layers.0.mlp.experts.1.up_proj.weight_scale_2"] = bad["model.layers.0.mlp.experts.1.up_proj.weight_scale_2"] * 2
+    with pytest.raises(QpassError, match=r"layers.0.mlp.experts.1: gate and up weight_scale_2 differ"):
+        fused_moe_params(bad)
+    assert checkpoint_name("model.layers.3.mlp.experts.5.up_proj.weight_scale", "mixtral") == \
+        "model.layers.3.block_sparse_moe.experts.5.w3.weight_scale"
+    assert checkpoint_name("model.layers.3.mlp.experts.5.up_proj.weight", "qwen3_moe") == "model.layers.3.mlp.experts.5.up_proj.weight"
