@@ -280,3 +280,35 @@ def test_fused_moe_export_round_trip_and_one_w13_scale(moe_pipes):
     assert checkpoint_name("model.layers.3.mlp.experts.5.up_proj.weight_scale", "mixtral") == \
         "model.layers.3.block_sparse_moe.experts.5.w3.weight_scale"
     assert checkpoint_name("model.layers.3.mlp.experts.5.up_proj.weight", "qwen3_moe") == "model.layers.3.mlp.experts.5.up_proj.weight"
+
+
+def test_sites_do_not_depend_on_the_experts_implementation():
+    from qpass.graph.capture import capture_scoring
+    from qpass.graph.sites import discover_sites
+    from qpass.moe import prepare_moe
+
+    ids = {}
+    for impl in ("eager", "batched_mm"):
+        m = tiny_moe("mixtral")
+        m.config._experts_implementation = impl
+        prepare_moe(m)
+        ids[impl] = list(discover_sites(capture_scoring(m, example_len=4).gm))
+    assert ids["eager"] == ids["batched_mm"] and "model.layers.1.mlp.experts.3.up_proj" in ids["eager"]
+
+
+def test_sparse_upcycling_preserves_the_dense_function_at_zero_noise():
+    from qpass.moe.upcycle import UpcycleConfig, upcycle
+
+    dense = tiny_llama(dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    ref = dense(ids).logits
+    exact = upcycle(dense, UpcycleConfig(num_experts=4, top_k=2, noise=0.0))
+    assert type(exact).__name__ == "MixtralForCausalLM" and exact.config.num_local_experts == 4
+    torch.testing.assert_close(exact(ids).logits, ref, rtol=1e-5, atol=1e-5)  # every expert = the dense MLP, weights sum to 1
+    noisy = upcycle(dense, UpcycleConfig(num_experts=4, top_k=2, noise=0.01))
+    gu = noisy.model.layers[0].mlp.experts.gate_up_proj
+    assert not torch.equal(gu[0], gu[1])  # experts differ
+    g = dense.model.layers[0].mlp.gate_proj.weight
+    rel = ((gu[0, : g.shape[0]] - g).std() / g.std()).item()
+    assert 0.005 < rel < 0.02  # noise = 0.01 x std(W)
+    assert not torch.equal(noisy.model.layers[0].mlp.gate.weight, torch.zeros_like(noisy.model.layers[0].mlp.gate.weight))
