@@ -312,3 +312,16 @@ def test_sparse_upcycling_preserves_the_dense_function_at_zero_noise():
     rel = ((gu[0, : g.shape[0]] - g).std() / g.std()).item()
     assert 0.005 < rel < 0.02  # noise = 0.01 x std(W)
     assert not torch.equal(noisy.model.layers[0].mlp.gate.weight, torch.zeros_like(noisy.model.layers[0].mlp.gate.weight))
+
+
+def test_expert_without_tokens_passes_through_the_quantized_ops():
+    """An expert no token was routed to runs the rollout and learner-QDQ ops on 0 rows."""
+    import qpass.ops  # noqa: F401 - registers qpass::nvfp4_linear
+    import qpass.quant.qdq  # noqa: F401 - registers qpass::nvfp4_act_qdq
+    from qpass.quant.nvfp4 import nvfp4_quantize
+
+    w = nvfp4_quantize(torch.randn(48, 32).to(torch.bfloat16))
+    x = torch.empty(0, 32, dtype=torch.bfloat16)
+    y = torch.ops.qpass.nvfp4_linear(x, w.codes, w.scales, w.s_dec, None, "e0", "nvfp4", 0.5, "masked", "batch", None)
+    assert y.shape == (0, 48) and y.dtype == torch.bfloat16
+    assert torch.ops.qpass.nvfp4_act_qdq(x, "e0", False).shape == (0, 32)
