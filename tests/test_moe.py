@@ -325,3 +325,16 @@ def test_expert_without_tokens_passes_through_the_quantized_ops():
     y = torch.ops.qpass.nvfp4_linear(x, w.codes, w.scales, w.s_dec, None, "e0", "nvfp4", 0.5, "masked", "batch", None)
     assert y.shape == (0, 48) and y.dtype == torch.bfloat16
     assert torch.ops.qpass.nvfp4_act_qdq(x, "e0", False).shape == (0, 32)
+
+
+def test_study_layer_restriction_keeps_rac_on_expert_w13():
+    import re
+
+    from qpass.apps.study.configs import RACOverride, study_recipe
+
+    r = study_recipe("quads_nvfp4_moe", layers=2, rac=RACOverride(0.25, "masked", "batch"))
+    rac = next(p for p in r.rollout if p.name == "residual_compensation")
+    assert rac.options.ratio == 0.25
+    pat = rac.options.targets[0][3:]
+    assert re.fullmatch(pat, "model.layers.1.mlp.experts.7.up_proj") and re.fullmatch(pat, "model.layers.0.mlp.experts.0.gate_proj")
+    assert not re.fullmatch(pat, "model.layers.2.mlp.experts.7.up_proj") and not re.fullmatch(pat, "model.layers.1.mlp.experts.7.down_proj")
