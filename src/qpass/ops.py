@@ -121,7 +121,9 @@ def _dispatch(op: str, spec: QuantSpec, device: torch.device) -> Callable[..., t
 # objects (weak references) at the same in-place versions, so a freed-and-reused address or an
 # in-place weight sync can never serve a stale decode.
 _WHAT_CACHE: "OrderedDict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor]]" = OrderedDict()
-_WHAT_CACHE_MAX = 512
+# Must hold every lowered site of a model, else each decode step re-decodes every weight (LRU thrash):
+# the upcycled MoE default has 840 sites (720 experts).
+_WHAT_CACHE_MAX = 1024
 
 
 def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
