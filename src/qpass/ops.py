@@ -121,7 +121,9 @@ def _dispatch(op: str, spec: QuantSpec, device: torch.device) -> Callable[..., t
 # objects (weak references) at the same in-place versions, so a freed-and-reused address or an
 # in-place weight sync can never serve a stale decode.
 _WHAT_CACHE: "OrderedDict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor]]" = OrderedDict()
-_WHAT_CACHE_MAX = 512
+# Must hold every lowered site of a model, else each decode step re-decodes every weight (LRU thrash):
+# the upcycled MoE default has 840 sites (720 experts).
+_WHAT_CACHE_MAX = 1024
 
 
 def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -184,9 +186,15 @@ def nvfp4_linear(
     rac_selection: str,
     rac_channels: torch.Tensor | None,
 ) -> torch.Tensor:
-    """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring)."""
+    """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring).
+
+    An input without rows (an MoE expert no token was routed to in this batch) gives an empty
+    output without quantizing anything (there is no amax to take).
+    """
     if act not in ACT_MODES:
         raise QpassError(f"nvfp4_linear at site {site}: act must be one of {ACT_MODES}, got {act!r}")
+    if x.numel() == 0:
+        return x.new_zeros((*x.shape[:-1], w_codes.shape[0]))
     fn = _dispatch("qpass::nvfp4_linear", NVFP4_WEIGHT, x.device)
     return fn(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels)
 

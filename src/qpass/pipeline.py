@@ -23,6 +23,7 @@ from qpass.errors import CaptureError
 from qpass.graph.capture import capture_scoring, capture_step
 from qpass.graph.model import LoadedModel, load_model
 from qpass.graph.qgraph import QGraph
+from qpass.moe.experts import prepare_moe
 from qpass.ops import current_backend
 from qpass.pm import PassContext, PassManager
 from qpass.recipe import Recipe, check_site_globs
@@ -66,6 +67,7 @@ class Pipeline:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         lm = loaded or load_model(model, dtype=dt, device=device)
+        prepare_moe(lm.model)  # per-expert sites + routing op (no-op for dense or prepared models)
         timings["load_s"] = time.perf_counter() - t0
         sc = QGraph.from_capture(capture_scoring(lm.model))
         if not sc.sites:

@@ -34,6 +34,7 @@ import pydantic
 from qpass.errors import NoMatchError, PassError, PostconditionError, PreconditionError, RecipeError
 from qpass.graph.properties import check_property
 from qpass.graph.qgraph import QGraph
+from qpass.graph.sites import DEFAULT_EXCLUDE
 from qpass.graph.verify import verify
 from qpass.jsonio import dumps
 
@@ -46,7 +47,7 @@ class PassOptions(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     targets: list[str] = ["*"]
-    exclude: list[str] = ["*lm_head", "*embed_tokens", "*embed_out"]
+    exclude: list[str] = list(DEFAULT_EXCLUDE)
     expect_matches: int = pydantic.Field(1, ge=0, description="fail if fewer sites match (0 disables)")
 
 

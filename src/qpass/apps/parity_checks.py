@@ -10,7 +10,8 @@ the report fields it owns (``report.json["parity"]``).
 Registered: ``structural`` (site pairing, specs, groups, dataflow), ``weights_bitexact`` (learner QDQ
 vs rollout codes/scales/``S_dec`` per fused group) and ``logprob_gap`` (behavioural: sample from the
 rollout, score with the learner, next to the BF16 engine-drift floor; needs a
-:class:`BehaviorProbe` in the context).
+:class:`BehaviorProbe` in the context; on an MoE model also with routing replay and the per-layer
+routing mismatch, ``logprob_gap.routing_replay`` / ``logprob_gap.routing_mismatch``).
 """
 
 from __future__ import annotations
@@ -146,6 +147,13 @@ def weights_bitexact(ctx: CheckContext) -> CheckResult:
                         "mismatch_detail": [g.to_json() for g in b.groups if not g.ok]})
 
 
+def _is_moe(graph: Any) -> bool:
+    from qpass.moe.routing import has_routing
+
+    gm = getattr(graph, "gm", None)
+    return gm is not None and has_routing(gm)
+
+
 @register_check("logprob_gap", behavioral=True)
 def logprob_gap(ctx: CheckContext) -> CheckResult:
     from qpass.parity import behavior
@@ -156,7 +164,7 @@ def logprob_gap(ctx: CheckContext) -> CheckResult:
     rows = len(p.prompts) * p.sampling.get("samples_per_prompt", 1)
     with ctx.status(f"sampling {rows} responses from the rollout graph, scoring with the learner..."):
         t0 = time.perf_counter()
-        gap = behavior.logprob_gap(ctx.learner, ctx.rollout, p.prompts, **p.sampling)
+        gap = behavior.logprob_gap(ctx.learner, ctx.rollout, p.prompts, routing=_is_moe(ctx.rollout), **p.sampling)
         ctx.timings["logprob_gap_s"] = time.perf_counter() - t0
     floor = None
     if p.floor is not None:

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import inspect
 import logging
+import re
 import time
 import warnings
 from typing import Any, Literal
@@ -83,8 +84,17 @@ class StepWrapper(torch.nn.Module):
         ).logits
 
 
+_SLICE = re.compile(r"\.slice\([^)]*\)")
+
+
 def site_of(module_path: str) -> str:
-    """Strip the wrapper prefix: ``model.model.layers.0.mlp`` -> ``model.layers.0.mlp``."""
+    """Strip the wrapper prefix: ``model.model.layers.0.mlp`` -> ``model.layers.0.mlp``.
+
+    Also drops the ``slice(None, n, None)`` component ``torch.export`` writes into the module path
+    when a model iterates ``self.layers[:n]`` (seen with the transformers 5.x MoE models:
+    ``model.layers.slice(None, 2, None).0.mlp`` -> ``model.layers.0.mlp``).
+    """
+    module_path = _SLICE.sub("", module_path)
     return module_path[len(WRAPPER_PREFIX):] if module_path.startswith(WRAPPER_PREFIX) else module_path
 
 

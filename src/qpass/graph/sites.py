@@ -6,7 +6,9 @@ amax (SPEC §3 rule 1): q/k/v of one attention block, gate/up of one MLP, MoE w1
 
 Selectors (recipe ``targets`` / ``exclude``) are ordered lists of patterns: a glob on the site id
 (``*.mlp.gate_proj``), or ``re:<regex>`` (full match). ``lm_head`` and embeddings are excluded by
-default.
+default, and so are MoE routers (``*.mlp.gate``). MoE experts are sites
+``model.layers.N.mlp.experts.E.{gate,up,down}_proj`` once :func:`qpass.moe.prepare_moe` has split
+the fused experts modules (gate/up of one expert fuse into ``...experts.E.gate_up``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ FUSED_GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("gate_proj", "up_proj"), "gate_up"),
     (("w1", "w3"), "w13"),
 )
-DEFAULT_EXCLUDE = ("*lm_head", "*embed_tokens", "*embed_out")
+# MoE routers (``mlp.gate`` in Qwen3-MoE, OLMoE, Mixtral; Qwen2-MoE's ``shared_expert_gate``) stay BF16:
+# their top-k choice is discrete, and SGLang/vLLM leave them unquantized too.
+DEFAULT_EXCLUDE = ("*lm_head", "*embed_tokens", "*embed_out", "*.mlp.gate", "*.shared_expert_gate")
 
 
 @dataclasses.dataclass(frozen=True)

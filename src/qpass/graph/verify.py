@@ -38,7 +38,9 @@ def _qpass_name(node: torch.fx.Node) -> str | None:
 LEARNER_QPASS_OPS = {"qpass::group_amax", "qpass::nvfp4_qdq", "qpass::nvfp4_act_qdq", "qpass::qdq"}
 ROLLOUT_QPASS_OPS = {"qpass::nvfp4_linear", "qpass::fp8_linear", "qpass::mxfp4_linear", "qpass::nvfp4_act_qdq"}
 # the spec tables' ops must all be in these lists (tests/test_tables.py checks it)
-KNOWN_QPASS_OPS = LEARNER_QPASS_OPS | ROLLOUT_QPASS_OPS
+# ops that belong to the model itself, on every side (MoE routing record/replay, qpass.moe.routing)
+MODEL_QPASS_OPS = {"qpass::moe_route"}
+KNOWN_QPASS_OPS = LEARNER_QPASS_OPS | ROLLOUT_QPASS_OPS | MODEL_QPASS_OPS
 
 
 def _site_arg_matches(node: torch.fx.Node) -> bool:
@@ -57,6 +59,7 @@ RULES: list[Rule] = [
     Rule("higher-order op (e.g. a no_grad region torch.export wraps)",
          lambda n, qg: isinstance(n.target, torch._ops.HigherOrderOperator)),
     Rule("symbolic size arithmetic", lambda n, qg: n.target in (operator.add, operator.sub, operator.mul, operator.floordiv, operator.ge, operator.le, operator.lt, operator.gt, operator.eq, operator.ne, torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not, torch._assert) or getattr(n.target, "__module__", "") in ("torch._refs", "torch.fx.experimental.symbolic_shapes", "torch.utils._sym_node")),
+    Rule("MoE routing record/replay (qpass.moe.routing)", lambda n, qg: _qpass_name(n) in MODEL_QPASS_OPS),
     Rule(
         "learner quantization op on the learner side",
         lambda n, qg: _qpass_name(n) in LEARNER_QPASS_OPS and qg.side in ("learner", "base"),

@@ -73,7 +73,12 @@ nvfp4_qdq_op.register_autograd(_ste_weight_backward, setup_context=_ste_setup)
 
 @torch.library.custom_op("qpass::nvfp4_act_qdq", mutates_args=())
 def nvfp4_act_qdq_op(x: torch.Tensor, site: str, per_token: bool) -> torch.Tensor:
-    """Dynamic NVFP4 activation fake-quant over the last dim (global scale from the current x)."""
+    """Dynamic NVFP4 activation fake-quant over the last dim (global scale from the current x).
+
+    An input without rows (an MoE expert no token was routed to) is returned as an empty copy.
+    """
+    if x.numel() == 0:
+        return x.clone()
     q = nvfp4_quantize(x, spec=nvfp4_act_spec(per_token), name="activation", site=site or None)
     return nvfp4_dequantize(q, x.dtype)
 

@@ -79,7 +79,8 @@ def recipe_path(name: str) -> Path:
 
 
 def layer_targets(layers: int, roles: tuple[str, ...] | None = None) -> list[str]:
-    """Site patterns of decoder layers ``[0, layers)``: every linear, or only the MLP ``roles``.
+    """Site patterns of decoder layers ``[0, layers)``: every linear, or only the MLP ``roles``
+    (regex fragments after ``.mlp.``, as :func:`_mlp_roles` returns them).
 
     Example: ``layer_targets(1, ("gate_proj", "up_proj"))`` ->
     ``[r"re:model\\.layers\\.(0)\\.mlp\\.(gate_proj|up_proj)"]``.
@@ -92,11 +93,17 @@ def layer_targets(layers: int, roles: tuple[str, ...] | None = None) -> list[str
 
 
 def _mlp_roles(targets: list[str], where: str) -> tuple[str, ...]:
-    """``("gate_proj", "up_proj")`` from ``["*.mlp.gate_proj", "*.mlp.up_proj"]``."""
+    """Regex fragments of MLP projections: ``("gate_proj", "up_proj")`` from
+    ``["*.mlp.gate_proj", "*.mlp.up_proj"]``; MoE experts ``["*.mlp.experts.*.gate_proj"]`` give
+    ``(r"experts\.\d+\.gate_proj",)``."""
     roles = []
     for t in targets:
+        if t.startswith("*.mlp.experts.*.") and t.count(".") == 4:
+            roles.append(r"experts\.\d+\." + t.rsplit(".", 1)[1])
+            continue
         if not (t.startswith("*.mlp.") and t.count(".") == 2):
-            raise QpassError(f"{where}: cannot restrict RAC target {t!r} to layers (expected '*.mlp.<projection>')")
+            raise QpassError(f"{where}: cannot restrict RAC target {t!r} to layers (expected '*.mlp.<projection>' "
+                             "or '*.mlp.experts.*.<projection>')")
         roles.append(t.rsplit(".", 1)[1])
     return tuple(roles)
 
