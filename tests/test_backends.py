@@ -15,7 +15,7 @@ from qpass.errors import QpassError
 
 
 def test_every_builtin_is_a_backend():
-    assert sorted(b.name for b in BUILTIN) == ["megatron", "onnx", "sglang", "triton"]
+    assert sorted(b.name for b in BUILTIN) == ["megatron", "onnx", "sglang", "triton", "vllm"]
     for b in BUILTIN:
         assert isinstance(b, Backend) and b.install_hint.startswith("pip install")
 

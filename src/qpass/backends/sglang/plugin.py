@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from qpass.errors import QuantizationError
-
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
-from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs, make_tensor, mark_unloaded, nan_scale_bytes
+from qpass.checkpoint.linear import activation_for_row_parallel, begin_loading, finish_loading, served_linear
+from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs, make_tensor
 
 
 def sglang_available() -> bool:
@@ -46,26 +45,6 @@ def sglang_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return False
     return True
-
-
-def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object | None, site: str) -> torch.Tensor:
-    """``DQ(Q_A(x))`` rounded to bf16 (the W4A4 GEMM operand) with the global amax all-reduced (MAX)
-    over ``process_group``.
-
-    For a K-sharded activation this equals the slice of the unsharded fake-quant, so
-    ``x_hat @ W_hat^T`` (the W4A16 path of ``nvfp4_linear``) on each rank, summed by the row-parallel
-    all-reduce, is the W4A4 product up to float32 summation order.
-
-    Returns:
-        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly (casting them
-        to fp16 would overflow near the fp16 max: 65504 rounds to 65536 in bf16, then to inf).
-    """
-    from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
-
-    x2 = x.reshape(-1, x.shape[-1])
-    q = nvfp4_quantize(x2, spec=nvfp4_act_spec(act == "nvfp4_per_token"), process_group=process_group, name="activation", site=site)
-    x_hat = nvfp4_dequantize(q, torch.bfloat16).reshape(x.shape)
-    return x_hat if x.dtype == torch.bfloat16 else x_hat.float()
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,15 +105,8 @@ def plugin_classes() -> tuple[type, type]:
             begin_loading(layer)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            act, out_dtype = self.act, x.dtype
-            if act != "none" and getattr(layer, "qpass_k_sharded", False):
-                x = activation_for_row_parallel(x, act, _tp_group(layer), self.prefix)
-                act = "none"
-            rac = self.rac
-            return torch.ops.qpass.nvfp4_linear(
-                x, layer.weight, layer.weight_scale, layer.qpass_s_dec, bias, self.prefix, act,
-                float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked", rac.selection if rac else "batch", None,
-            ).to(out_dtype)
+            group = _tp_group(layer) if self.act != "none" and getattr(layer, "qpass_k_sharded", False) else None
+            return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
 
     class QpassNvfp4Config(QuantizationConfig):
         """``--quantization qpass_nvfp4`` (or ``quant_method: qpass_nvfp4`` in a checkpoint)."""
@@ -187,53 +159,6 @@ def plugin_classes() -> tuple[type, type]:
             return []
 
     return QpassNvfp4Config, QpassNvfp4LinearMethod
-
-
-def begin_loading(layer: torch.nn.Module) -> None:
-    """Before a (re)load: poison ``weight_scale`` / ``weight_scale_2`` with the NaN sentinel, so an
-    update that carries codes without their scales is refused by :func:`finish_loading` instead of
-    serving new codes with stale (or never-written) scales."""
-    mark_unloaded(layer.weight_scale.data)
-    mark_unloaded(layer.weight_scale_2.data)
-
-
-def finish_loading(layer: torch.nn.Module, prefix: str) -> None:
-    """After loading: check what the layer will serve and bind ``layer.qpass_s_dec`` (idempotent).
-
-    Raises:
-        QuantizationError: names the layer: a scale never loaded (the NaN sentinel survived: the
-            checkpoint or update did not carry it), NaN block-scale bytes, a non-finite or
-            non-positive global scale, or different global scales per fused shard.
-    """
-    gs = layer.weight_scale_2.data.detach().float().reshape(-1)
-    if bool(torch.isnan(gs).any()):
-        missing = [i for i, v in enumerate(gs.tolist()) if v != v]
-        raise QuantizationError(
-            f"{METHOD_NAME}: layer {prefix}: weight_scale_2 of shard(s) {missing} was never loaded "
-            "(the checkpoint or weight update did not carry it); refusing to serve"
-        )
-    bits = gs.view(torch.int32)
-    if not bool((bits == bits[0]).all()):
-        raise QuantizationError(
-            f"{METHOD_NAME}: layer {prefix} has different weight_scale_2 per fused shard {gs.tolist()}; "
-            "qpass checkpoints share one global scale per fused group (SPEC §3 rule 1)"
-        )
-    if not bool(torch.isfinite(gs).all()) or float(gs[0]) <= 0:
-        raise QuantizationError(f"{METHOD_NAME}: layer {prefix} has an invalid weight_scale_2 {gs.tolist()}")
-    bad = nan_scale_bytes(layer.weight_scale.data)
-    if bad:
-        raise QuantizationError(
-            f"{METHOD_NAME}: layer {prefix}: {bad}/{layer.weight_scale.numel()} weight_scale bytes are NaN "
-            "(never loaded: the checkpoint or weight update carried codes without their block scales, or corrupt); refusing to serve"
-        )
-    s_dec = gs[0].reshape(()).clone()
-    cur = getattr(layer, "qpass_s_dec", None)
-    if isinstance(cur, torch.Tensor) and cur.shape == s_dec.shape and cur.device == s_dec.device:
-        cur.copy_(s_dec)  # keep the tensor's identity (CUDA graphs captured against it)
-    else:
-        if "qpass_s_dec" in layer._buffers:
-            del layer._buffers["qpass_s_dec"]
-        layer.register_buffer("qpass_s_dec", s_dec, persistent=False)
 
 
 def _tp_group(layer: torch.nn.Module) -> object | None:

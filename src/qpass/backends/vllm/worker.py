@@ -1,0 +1,120 @@
+"""Read-back from inside vLLM's workers: ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` mixes
+:class:`QpassWorkerExtension` into every worker; ``llm.collective_rpc("qpass_served")`` then returns,
+per rank, the bytes the engine's own parameters hold (never a copy qpass kept).
+
+Results cross vLLM's process boundary as msgpack: plain ``bytes``/``int``/``str``/``list``/``dict``
+only. :func:`assemble_served` (pure torch, testable without vLLM) turns the per-rank records back into
+one :class:`qpass.runtime.served.ServedSite` per checkpoint site (fused ``qkv_proj`` rows split into
+q/k/v by ``logical_widths``; tensor-parallel shards concatenated along N, or along K for row-parallel
+layers). Weight reload itself is vLLM's own worker method ``reload_weights`` (prototype §5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from qpass.errors import QpassError
+
+WORKER_EXTENSION = "qpass.backends.vllm.worker.QpassWorkerExtension"
+METHOD_CLASS = "QpassNvfp4LinearMethod"
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(_raw(t)).hexdigest()
+
+
+class QpassWorkerExtension:
+    """Methods vLLM's worker gains (called by name through ``collective_rpc``)."""
+
+    def _qpass_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def qpass_served(self) -> list[dict[str, Any]]:
+        """One record per ``qpass_nvfp4`` layer of this rank: its name, ``logical_widths``,
+        ``k_sharded``, ``tp_rank``/``tp_size`` and the raw bytes + shape of ``weight`` (uint8),
+        ``weight_scale`` (E4M3 bytes) and ``weight_scale_2`` (float32 per shard)."""
+        out = []
+        for name, mod in self._qpass_model().named_modules():
+            if type(getattr(mod, "quant_method", None)).__name__ != METHOD_CLASS:
+                continue
+            out.append({
+                "layer": getattr(mod, "qpass_site", name), "logical_widths": list(mod.logical_widths),
+                "k_sharded": bool(mod.qpass_k_sharded), "tp_rank": int(getattr(mod, "tp_rank", 0)),
+                "tp_size": int(getattr(mod, "tp_size", 1)),
+                **{p: {"bytes": _raw(getattr(mod, p)), "shape": list(getattr(mod, p).shape)}
+                   for p in ("weight", "weight_scale", "weight_scale_2")},
+            })
+        return out
+
+    def qpass_digests(self) -> dict[str, str]:
+        """sha256 of every parameter that is not part of a ``qpass_nvfp4`` layer (norms, embeddings,
+        unquantized linears), by vLLM parameter name (HF name for those)."""
+        model = self._qpass_model()
+        skip = {n for n, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ == METHOD_CLASS}
+        out = {}
+        for name, p in model.named_parameters():
+            if name.rpartition(".")[0] not in skip:
+                out[name] = _sha(p)
+        return out
+
+
+def assemble_served(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: Any, group_of: Any) -> dict[str, Any]:
+    """Per-rank :meth:`QpassWorkerExtension.qpass_served` records -> ``{site: ServedSite}``.
+
+    Args:
+        per_rank: what ``collective_rpc("qpass_served")`` returned (one list per worker).
+        members: ``members(layer) -> [checkpoint sites]`` in shard order
+            (:meth:`qpass.checkpoint.qconfig.QpassQuantOptions.members`).
+        group_of: ``group_of(site) -> fused group id``.
+    Raises:
+        QpassError: ranks disagree on a layer's shards, or a fused layer's widths do not match its members.
+    """
+    from qpass.runtime.served import ServedSite
+
+    by_layer: dict[str, list[Mapping[str, Any]]] = {}
+    for recs in per_rank:
+        for r in recs:
+            by_layer.setdefault(r["layer"], []).append(r)
+    out: dict[str, ServedSite] = {}
+    for layer, recs in sorted(by_layer.items()):
+        recs = sorted(recs, key=lambda r: r["tp_rank"])
+        sites = members(layer)
+        if any(len(r["logical_widths"]) != len(sites) for r in recs):
+            raise QpassError(f"vLLM layer {layer}: {len(recs[0]['logical_widths'])} shards served, checkpoint sites {sites}")
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {s: [] for s in sites}
+        for r in recs:
+            codes = _tensor(r["weight"], torch.uint8)
+            scales = _tensor(r["weight_scale"], torch.float8_e4m3fn)
+            gs = _tensor(r["weight_scale_2"], torch.float32)
+            row = 0
+            for i, (s, w) in enumerate(zip(sites, r["logical_widths"])):
+                parts[s].append((codes[row:row + w], scales[row:row + w], gs[i].reshape(())))
+                row += w
+        k_sharded = recs[0]["k_sharded"]
+        for s in sites:
+            ps = parts[s]
+            dim = 1 if k_sharded else 0
+            codes = torch.cat([p[0] for p in ps], dim) if len(ps) > 1 else ps[0][0]
+            scales = torch.cat([p[1] for p in ps], dim) if len(ps) > 1 else ps[0][1]
+            g = ps[0][2]
+            if any(not torch.equal(p[2].view(torch.int32), g.view(torch.int32)) for p in ps):
+                raise QpassError(f"vLLM site {s}: tensor-parallel ranks serve different weight_scale_2 {[float(p[2]) for p in ps]}")
+            out[s] = ServedSite(s, "nvfp4", codes, scales, g.clone(), group_of(s))
+    return out
+
+
+def _tensor(rec: Mapping[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(rec["bytes"]), dtype=torch.uint8)
+    return raw.view(dtype).reshape(rec["shape"])
+
+
+__all__ = ["METHOD_CLASS", "QpassWorkerExtension", "WORKER_EXTENSION", "assemble_served"]

@@ -1,0 +1,169 @@
+"""What an engine's ``qpass_nvfp4`` linear method does, engine-free: check what was loaded, then compute.
+
+The SGLang and vLLM plugins (:mod:`qpass.backends.sglang`, :mod:`qpass.backends.vllm`) register the
+parameters of :func:`qpass.checkpoint.params.linear_param_specs`, let their engine's loaders fill
+them, and then call the functions here, so the numerics of a served NVFP4 linear are qpass's and
+are testable without any engine installed (``scripts/gpu_vllm_linear.sh`` runs them on CUDA):
+
+* :func:`begin_loading` — a (re)load starts: poison the scales with the NaN "unloaded" sentinel;
+* :func:`finish_loading` — after loading: refuse (naming the layer) a scale never loaded, NaN
+  block scales, an invalid global scale, fused shards with different globals; bind the decode
+  global ``layer.qpass_s_dec`` (and, with ``decode_cache``, the decoded weight ``layer.qpass_w_hat``);
+* :func:`served_linear` — the forward: ``torch.ops.qpass.nvfp4_linear`` (qpass's op: the reference
+  kernel, or the Triton kernel on CUDA when that backend is selected), or on the reference path the
+  same :mod:`qpass.quant.linear` functions that op calls, with the layer's decoded weight;
+* :func:`activation_for_row_parallel` — the W4A4 activation of a K-sharded (row-parallel) layer with
+  its global amax all-reduced (MAX) over the tensor-parallel group (SPEC §3 rule 1).
+
+Layer attributes read: ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` float8_e4m3fn ``[N, K/16]``,
+``weight_scale_2`` float32 ``[S]`` (per fused shard), optional ``bias``, ``qpass_k_sharded`` (bool),
+``rac_channels`` int64 ``[n]`` (static RAC only). Source: SPEC §3 (dequant, shared global per fused
+group), prior-art/backends.md §1 (SGLang), docs/engines/vllm_cpu_prototype.md §3-5 (vLLM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qpass.checkpoint.params import mark_unloaded, nan_scale_bytes
+from qpass.checkpoint.qconfig import METHOD_NAME
+from qpass.errors import QuantizationError
+from qpass.quant.rac import RACConfig
+
+__all__ = ["activation_for_row_parallel", "begin_loading", "finish_loading", "served_linear"]
+
+
+def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object | None, site: str) -> torch.Tensor:
+    """``DQ(Q_A(x))`` rounded to bf16 (the W4A4 GEMM operand) with the global amax all-reduced (MAX)
+    over ``process_group``.
+
+    For a K-sharded activation this equals the slice of the unsharded fake-quant, so
+    ``x_hat @ W_hat^T`` (the W4A16 path of ``nvfp4_linear``) on each rank, summed by the row-parallel
+    all-reduce, is the W4A4 product up to float32 summation order.
+
+    Args:
+        x: ``[..., K/tp]`` bf16/fp16/fp32 activation slice.
+        act: ``nvfp4`` (one global per tensor) or ``nvfp4_per_token`` (one per row).
+    Returns:
+        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly (casting them
+        to fp16 would overflow near the fp16 max: 65504 rounds to 65536 in bf16, then to inf).
+    """
+    from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
+
+    x2 = x.reshape(-1, x.shape[-1])
+    q = nvfp4_quantize(x2, spec=nvfp4_act_spec(act == "nvfp4_per_token"), process_group=process_group, name="activation", site=site)
+    x_hat = nvfp4_dequantize(q, torch.bfloat16).reshape(x.shape)
+    return x_hat if x.dtype == torch.bfloat16 else x_hat.float()
+
+
+def begin_loading(layer: torch.nn.Module) -> None:
+    """Before a (re)load: poison ``weight_scale`` / ``weight_scale_2`` with the NaN sentinel, so an
+    update that carries codes without their scales is refused by :func:`finish_loading` instead of
+    serving new codes with stale (or never-written) scales."""
+    mark_unloaded(layer.weight_scale.data)
+    mark_unloaded(layer.weight_scale_2.data)
+
+
+def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor, persistent: bool) -> None:
+    """``layer.<name> = value`` as a buffer, copied in place when one of that shape already exists
+    (keeps the tensor's identity: CUDA graphs, and vLLM's reload copies into the original storage)."""
+    cur = getattr(layer, name, None)
+    if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype and cur.device == value.device:
+        with torch.no_grad():
+            cur.copy_(value)
+        return
+    if name in layer._buffers:
+        del layer._buffers[name]
+    layer.register_buffer(name, value, persistent=persistent)
+
+
+def finish_loading(layer: torch.nn.Module, prefix: str, *, persistent: bool = False, decode_cache: bool = False) -> None:
+    """After loading: check what the layer will serve and bind ``layer.qpass_s_dec`` (idempotent).
+
+    Args:
+        layer: holds ``weight``, ``weight_scale``, ``weight_scale_2`` (module docstring).
+        prefix: the layer's name in the engine (for messages).
+        persistent: register the bound buffers as persistent (vLLM's in-place reload copies only
+            persistent buffers back into the served storage).
+        decode_cache: also bind ``layer.qpass_w_hat`` float32 ``[N, K]`` = ``nvfp4_dequantize(w, bf16)``
+            (the reference path's operand, decoded once per load instead of per forward).
+    Raises:
+        QuantizationError: names the layer: a scale never loaded (the NaN sentinel survived: the
+            checkpoint or update did not carry it), NaN block-scale bytes, a non-finite or
+            non-positive global scale, or different global scales per fused shard.
+    """
+    gs = layer.weight_scale_2.data.detach().float().reshape(-1)
+    if bool(torch.isnan(gs).any()):
+        missing = [i for i, v in enumerate(gs.tolist()) if v != v]
+        raise QuantizationError(
+            f"{METHOD_NAME}: layer {prefix}: weight_scale_2 of shard(s) {missing} was never loaded, or is NaN "
+            "(the checkpoint or weight update did not carry it); refusing to serve"
+        )
+    bits = gs.view(torch.int32)
+    if not bool((bits == bits[0]).all()):
+        raise QuantizationError(
+            f"{METHOD_NAME}: layer {prefix} has different weight_scale_2 per fused shard {gs.tolist()}; "
+            "qpass checkpoints share one global scale per fused group (SPEC §3 rule 1)"
+        )
+    if not bool(torch.isfinite(gs).all()) or float(gs[0]) <= 0:
+        raise QuantizationError(f"{METHOD_NAME}: layer {prefix} has an invalid weight_scale_2 {gs.tolist()}")
+    bad = nan_scale_bytes(layer.weight_scale.data)
+    if bad:
+        raise QuantizationError(
+            f"{METHOD_NAME}: layer {prefix}: {bad}/{layer.weight_scale.numel()} weight_scale bytes are NaN "
+            "(never loaded: the checkpoint or weight update carried codes without their block scales, or corrupt); refusing to serve"
+        )
+    s_dec = gs[0].reshape(()).clone()
+    _bind(layer, "qpass_s_dec", s_dec, persistent)
+    if decode_cache:
+        from qpass.ops import WEIGHT_OPERAND_DTYPE
+        from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize
+
+        w = NVFP4Tensor.from_parts(layer.weight.data, layer.weight_scale.data, s_dec)
+        _bind(layer, "qpass_w_hat", nvfp4_dequantize(w, WEIGHT_OPERAND_DTYPE).float(), persistent)
+
+
+def served_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None, *, site: str, act: str,
+                  rac: RACConfig | None, process_group: object | None = None) -> torch.Tensor:
+    """The forward of a served ``qpass_nvfp4`` layer: ``x [..., K] -> [..., N]`` in ``x.dtype``.
+
+    ``act``: ``none`` (W4A16), ``nvfp4`` / ``nvfp4_per_token`` (W4A4, dynamic activation global
+    scale per tensor / per token); ``rac``: residual compensation (any mode and selection; static
+    reads ``layer.rac_channels``); ``bias`` ``[N]`` or None (the engine passes it: a row-parallel rank
+other than 0 passes None). A K-sharded layer (``layer.qpass_k_sharded``) quantizes its
+    activation slice with the amax all-reduced over ``process_group``, then runs the W4A16 product.
+
+    Kernels: if :func:`finish_loading` bound ``qpass_w_hat`` and the current kernel backend runs the
+    reference ops on ``x.device``, the :mod:`qpass.quant.linear` functions that the reference
+    ``qpass::nvfp4_linear`` calls run with that decoded weight (bit-identical to the op); otherwise
+    ``torch.ops.qpass.nvfp4_linear`` dispatches (e.g. the Triton kernel on CUDA).
+
+    Raises:
+        QuantizationError: NaN/inf activations, K mismatch (naming ``site``).
+    """
+    from qpass.ops import current_backend, effective_backend
+
+    if act != "none" and getattr(layer, "qpass_k_sharded", False):
+        if rac is not None:
+            raise QuantizationError(f"{METHOD_NAME}: layer {site} is row-parallel and has residual compensation, "
+                                    "whose channel ranking needs the whole K")
+        x = activation_for_row_parallel(x, act, process_group, site)
+        act = "none"
+    channels = getattr(layer, "rac_channels", None) if rac is not None and rac.selection == "static" else None
+    w_hat = getattr(layer, "qpass_w_hat", None)
+    if w_hat is not None and effective_backend(current_backend(), x.device) == "reference":
+        from qpass.quant.linear import w4a4_linear_reference, w4a16_linear_reference
+        from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec
+
+        w = NVFP4Tensor.from_parts(layer.weight, layer.weight_scale, layer.qpass_s_dec)
+        if act == "none":
+            return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
+        return w4a4_linear_reference(x, w, bias, act_spec=nvfp4_act_spec(act == "nvfp4_per_token"),
+                                     rac=rac if rac is not None and rac.ratio > 0 else None,
+                                     static_channels=channels, w_hat=w_hat, site=site)
+    import qpass.ops  # noqa: F401 - registers torch.ops.qpass.nvfp4_linear
+
+    return torch.ops.qpass.nvfp4_linear(
+        x, layer.weight, layer.weight_scale, layer.qpass_s_dec, bias, site, act,
+        float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked", rac.selection if rac else "batch", channels,
+    ).to(x.dtype)
