@@ -29,7 +29,7 @@ def test_unavailable_backend_names_its_install_hint():
 
 def test_load_backends_unknown_and_reference(monkeypatch):
     monkeypatch.setattr(plugins, "_REGISTERED", {})
-    with pytest.raises(QpassError, match=r"unknown backend 'cuda-magic'; known: \['megatron', 'onnx', 'sglang', 'triton'\]"):
+    with pytest.raises(QpassError, match=r"unknown backend 'cuda-magic'; known: \['megatron', 'onnx', 'sglang', 'triton', 'vllm'\]"):
         plugins.load_backends(["cuda-magic"])
     assert plugins.load_backends(["reference"]) == {}  # the reference kernels are core: nothing to load
 

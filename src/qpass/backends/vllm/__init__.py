@@ -20,11 +20,10 @@ from qpass.backends.vllm.plugin import register, vllm_available
 
 
 def register_engine() -> None:
-    """Register rollout engine ``"vllm"`` (and the vLLM quantization method in this process)."""
+    """Register rollout engine ``"vllm"`` (cheap: vLLM itself is imported when an engine starts)."""
     from qpass.backends.vllm.engine import VLLMRolloutEngine
     from qpass.runtime.engine import register_rollout_engine
 
-    register()
     register_rollout_engine("vllm")(VLLMRolloutEngine)
 
 
