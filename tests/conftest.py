@@ -89,9 +89,9 @@ def pytest_collection_modifyitems(config, items):
     ``-m "not slow"`` never loads the model; ``gpu`` tests skip (not fail) without a CUDA device."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="gpu tier: needs a CUDA device")
     if not _vllm_importable() and not os.environ.get("CI"):  # on CI a missing vLLM must fail, not vanish
-        keep = [it for it in items if "vllm" not in it.keywords]
+        keep = [it for it in items if it.get_closest_marker("vllm") is None]
         if len(keep) != len(items):
-            config.hook.pytest_deselected(items=[it for it in items if "vllm" in it.keywords])
+            config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("vllm") is not None])
             items[:] = keep
     for item in items:
         if _DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
