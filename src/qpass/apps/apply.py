@@ -12,6 +12,8 @@ every file written so ``qpass check DIR`` finds a changed byte before loading an
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
 import sys
 import time
@@ -121,12 +123,22 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         probe = BehaviorProbe(prompts, dict(pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id,
                                             max_new_tokens=gopt.max_new_tokens, samples_per_prompt=gopt.samples_per_prompt,
                                             temperature=gopt.temperature, top_p=gopt.top_p, seed=gopt.seed),
-                              gopt.max_abs_gap, (pipe.base_scoring, pipe.base_step) if o.floor else None)
-        ctx = CheckContext(recipe, learner, rollout, timings, con.status, probe)
+                              gopt.max_abs_gap, (pipe.base_scoring, pipe.base_step) if o.floor else None,
+                              _vllm_factory(lm, o, None, prompts, bsz, max_len, gopt.seed) if o.rollout_engine == "vllm" else None)
         names = [c.check for c in recipe.parity if o.behavioral or not PARITY_CHECKS[c.check].behavioral]
         if o.behavioral and "logprob_gap" not in names:  # measured (not gated) even if the recipe does not list it
             names.append("logprob_gap")
-        results = list(run_checks(ctx, names))
+        with contextlib.ExitStack() as engines:
+            engine = None
+            if o.rollout_engine == "vllm":
+                with con.status("exporting the rollout checkpoint and starting vLLM..."):
+                    t0 = time.perf_counter()
+                    engine = engines.enter_context(_vllm_factory(lm, o, rollout, prompts, bsz, max_len, gopt.seed)())
+                    timings["engine_start_s"] = time.perf_counter() - t0
+                if "weights_bitexact" not in names:  # the engine's bytes are always read back
+                    names.insert(0, "weights_bitexact")
+            ctx = CheckContext(recipe, learner, rollout, timings, con.status, probe, engine, engines.close if engine else None)
+            results = list(run_checks(ctx, names))
 
         plots: dict[str, str] = {}
         diag: dict[str, Any] = {}
@@ -153,6 +165,17 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         write_report(tmp, report)
     print_summary(con, report, out)
     return (0 if report["ok"] else 1), report
+
+
+def _vllm_factory(lm: Any, o: ApplyOptions, rollout: QGraph | None, prompts: list[list[int]], bsz: int, max_len: int,
+                  seed: int) -> Any:
+    """A factory of the vLLM engine context (:func:`qpass.apps.engines.vllm_rollout`): ``rollout``'s
+    quantization on the model's master weights, or the unquantized model (the BF16 floor) for None."""
+    from qpass.apps.engines import vllm_rollout
+    from qpass.pipeline import DTYPES
+
+    return functools.partial(vllm_rollout, lm.model, lm.tokenizer, DTYPES[o.dtype], rollout=rollout, calibration_ids=prompts,
+                             batch_size=bsz, max_len=max_len, seed=seed)
 
 
 def _load(o: ApplyOptions) -> Any:
@@ -212,7 +235,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
 
 def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     """The ``qpass apply`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_force, add_threads, add_verbose, pos_int
+    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose, pos_int
 
     ap = argparse.ArgumentParser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report")
     ap.add_argument("recipe", help="recipe YAML path or built-in name (see `qpass recipes`)")
@@ -230,6 +253,7 @@ def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     add_force(ap, "report.json")
     add_threads(ap)
     add_verbose(ap)
+    add_rollout_engine(ap)
     return ap
 
 
@@ -239,7 +263,8 @@ def main_apply(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, prompts=a.prompts, samples=a.samples,
                      max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, floor=not a.no_floor,
-                     behavioral=not a.no_behavioral, save_learner=not a.no_save_learner, debug=not a.no_debug, force=a.force)
+                     behavioral=not a.no_behavioral, save_learner=not a.no_save_learner, debug=not a.no_debug, force=a.force,
+                     rollout_engine=a.rollout_engine)
     status, _ = run_apply(a.recipe, a.out, o)
     return status
 

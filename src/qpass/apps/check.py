@@ -21,6 +21,7 @@ For a recipe, stages 3-4 run on freshly built graphs (no files).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -143,8 +144,17 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
         names.append("weights_bitexact")  # a learner QDQ recipe is always re-verified bit for bit
     if behavioral:
         names.append("logprob_gap")
-    ctx = CheckContext(recipe, learner, rollout, status=con.status, probe=_probe(pipe, bsz, max_len) if behavioral else None)
-    for r in run_checks(ctx, names):
+    with contextlib.ExitStack() as engines:
+        engine = None
+        if o.rollout_engine == "vllm":
+            if "weights_bitexact" not in names:
+                names.insert(0, "weights_bitexact")
+            engine = engines.enter_context(_vllm_engine(pipe, learner, rollout, o, bsz, max_len))
+        ctx = CheckContext(recipe, learner, rollout, status=con.status, probe=_probe(pipe, bsz, max_len) if behavioral else None,
+                           engine=engine)
+        results = list(run_checks(ctx, names))
+    result["rollout_engine"] = o.rollout_engine
+    for r in results:
         result.update(r.fields)
         if r.ok is False:
             failures += list(r.problems)
@@ -157,6 +167,21 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     result["ok"] = ok = not failures
     con.print(f"qpass check {target}: {'[green]pass[/]' if ok else '[red]FAIL[/]'}")
     return (0 if ok else 1), result
+
+
+@contextlib.contextmanager
+def _vllm_engine(pipe: Any, learner: Any, rollout: Any, o: ApplyOptions, bsz: int, max_len: int) -> Any:
+    """A vLLM engine serving ``rollout``'s quantization of the learner's master weights (exported from
+    the model, then updated to the learner's masters through the engine's own weight update)."""
+    from qpass.apps.engines import vllm_rollout
+    from qpass.pipeline import DTYPES
+    from qpass.prompts import encode_chat, probe_prompts
+    from qpass.runtime.graph_engine import graph_weights
+
+    with vllm_rollout(pipe.loaded.model, pipe.tokenizer, DTYPES[o.dtype], rollout=rollout,
+                      calibration_ids=encode_chat(pipe.tokenizer, probe_prompts(4)), batch_size=bsz, max_len=max_len) as eng:
+        eng.update_weights(graph_weights(learner))
+        yield eng
 
 
 def _probe(pipe: Any, bsz: int, max_len: int) -> BehaviorProbe:
@@ -172,7 +197,7 @@ def _probe(pipe: Any, bsz: int, max_len: int) -> BehaviorProbe:
 
 def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
     """The ``qpass check`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_threads, add_verbose
+    from qpass.apps.cliutil import add_rollout_engine, add_threads, add_verbose
 
     ap = argparse.ArgumentParser(prog=prog, description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe")
     ap.add_argument("target", help="an output DIR of `qpass apply`, or a recipe")
@@ -181,6 +206,7 @@ def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
     ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 comparison with report.json "
                     "(to rebuild the graphs and name the sites of a change)")
     ap.add_argument("--json", type=Path, help="write the check result as JSON here")
+    add_rollout_engine(ap)
     add_threads(ap)
     add_verbose(ap)
     return ap
@@ -192,7 +218,7 @@ def main_check(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels)
+    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, rollout_engine=a.rollout_engine)
     status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
     if a.json:
         write_json(a.json, result)

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "add_dtype", "add_force",
+__all__ = ["bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "ROLLOUT_ENGINES", "add_dtype", "add_force", "add_rollout_engine",
            "add_threads", "add_verbose", "configure_logging", "exit_status", "verbosity"]
 
 EXIT_OK = 0
@@ -89,6 +89,17 @@ def add_threads(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--threads N``: torch CPU threads (default: torch's choice)."""
     ap.add_argument("--threads", type=pos_int, default=None,
                     help="torch CPU threads (default: torch's choice; 1 is much faster on an oversubscribed machine)")
+
+
+ROLLOUT_ENGINES = ("qpass", "vllm")
+
+
+def add_rollout_engine(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--rollout-engine qpass|vllm`` (apply, check, study, grpo): who samples — qpass's rollout graph
+    (default) or a live vLLM engine serving the recipe's exported checkpoint (:mod:`qpass.apps.engines`)."""
+    ap.add_argument("--rollout-engine", default="qpass", choices=ROLLOUT_ENGINES,
+                    help="who samples: qpass's rollout graph (default) or a live vLLM engine serving the recipe's "
+                         "exported checkpoint (needs qpass[vllm])")
 
 
 def add_dtype(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

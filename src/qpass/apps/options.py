@@ -33,6 +33,7 @@ class ApplyOptions:
     save_learner: bool = True
     debug: bool = True
     force: bool = False
+    rollout_engine: str = "qpass"
 
 
 def gap_options(recipe: Recipe, o: ApplyOptions) -> LogprobGapCheck:

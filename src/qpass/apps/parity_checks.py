@@ -62,17 +62,24 @@ class BehaviorProbe:
             max_new_tokens, samples_per_prompt, temperature, top_p, seed).
         max_abs_gap: the recipe's gate on mean |d| (None: not gated).
         floor: (scoring, step) base graphs for the BF16 engine-drift floor, or None to skip it.
+        floor_engine: optional factory of a context manager yielding the floor's rollout engine
+            (a BF16 vLLM engine): then the floor pairs ``floor[0]`` (the BF16 learner) with it,
+            a real engine drift instead of the step graph's.
     """
 
     prompts: list[list[int]]
     sampling: dict[str, Any]
     max_abs_gap: float | None = None
     floor: tuple[Any, Any] | None = None
+    floor_engine: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 @dataclasses.dataclass
 class CheckContext:
-    """What a check reads: the recipe, both graphs, timings to fill, a status spinner, the probe."""
+    """What a check reads: the recipe, both graphs, timings to fill, a status spinner, the probe, and
+    optionally a live rollout engine (``--rollout-engine vllm``) that samples instead of the rollout
+    graph and whose served bytes the bit-level check also compares (``release_engine`` stops it once the
+    behavioural check has sampled, before a floor engine starts)."""
 
     recipe: Any
     learner: Any
@@ -80,6 +87,8 @@ class CheckContext:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     status: Callable[[str], contextlib.AbstractContextManager] = lambda _msg: contextlib.nullcontext()
     probe: BehaviorProbe | None = None
+    engine: Any = None
+    release_engine: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +151,23 @@ def weights_bitexact(ctx: CheckContext) -> CheckResult:
         t0 = time.perf_counter()
         b = check_weights_bitexact(ctx.learner, ctx.rollout)
         ctx.timings["bitexact_s"] = time.perf_counter() - t0
-    return CheckResult("weights_bitexact", b.ok, f"{len(b.groups)} groups compared", tuple(b.failures()),
-                       {"weights_bitexact": b.ok, "mismatched_groups": b.mismatched_groups,
-                        "mismatch_detail": [g.to_json() for g in b.groups if not g.ok]})
+    fields = {"weights_bitexact": b.ok, "mismatched_groups": b.mismatched_groups,
+              "mismatch_detail": [g.to_json() for g in b.groups if not g.ok]}
+    problems, detail, ok = list(b.failures()), f"{len(b.groups)} groups compared", b.ok
+    if ctx.engine is not None:
+        from qpass.parity.served import check_served_weights
+        from qpass.runtime.graph_engine import graph_weights
+
+        with ctx.status(f"bit-level check of the bytes the {ctx.engine.name} engine serves..."):
+            t0 = time.perf_counter()
+            e = check_served_weights(graph_weights(ctx.learner), ctx.engine.served_weights())
+            ctx.timings["engine_bitexact_s"] = time.perf_counter() - t0
+        ok = ok and e.ok
+        problems += [f"{ctx.engine.name} engine: {m}" for m in e.mismatches]
+        detail += f"; {e.checked} sites read back from the {ctx.engine.name} engine" + ("" if e.ok else f", {len(e.mismatches)} differ")
+        fields |= {"weights_bitexact": ok, "engine_weights": {"engine": ctx.engine.name, "ok": e.ok, "checked": e.checked,
+                                                              "skipped": e.skipped, "mismatches": list(e.mismatches[:20])}}
+    return CheckResult("weights_bitexact", ok, detail, tuple(problems), fields)
 
 
 def _is_moe(graph: Any) -> bool:
@@ -162,12 +185,22 @@ def logprob_gap(ctx: CheckContext) -> CheckResult:
     if p is None:
         raise QpassError("the logprob_gap check needs a behaviour probe (prompts and sampling options)")
     rows = len(p.prompts) * p.sampling.get("samples_per_prompt", 1)
-    with ctx.status(f"sampling {rows} responses from the rollout graph, scoring with the learner..."):
+    who = f"the {ctx.engine.name} engine" if ctx.engine is not None else "the rollout graph"
+    with ctx.status(f"sampling {rows} responses from {who}, scoring with the learner..."):
         t0 = time.perf_counter()
-        gap = behavior.logprob_gap(ctx.learner, ctx.rollout, p.prompts, routing=_is_moe(ctx.rollout), **p.sampling)
+        gap = behavior.logprob_gap(ctx.learner, ctx.engine if ctx.engine is not None else ctx.rollout, p.prompts,
+                                   routing=_is_moe(ctx.rollout) and ctx.engine is None, **p.sampling)
         ctx.timings["logprob_gap_s"] = time.perf_counter() - t0
     floor = None
-    if p.floor is not None:
+    if ctx.release_engine is not None:
+        ctx.release_engine()
+    if p.floor is not None and p.floor_engine is not None:
+        with ctx.status("BF16 engine-drift floor (BF16 engine vs BF16 learner)..."):
+            t0 = time.perf_counter()
+            with p.floor_engine() as fe:
+                floor = behavior.logprob_gap(p.floor[0], fe, p.prompts, **p.sampling)
+            ctx.timings["floor_s"] = time.perf_counter() - t0
+    elif p.floor is not None:
         with ctx.status("BF16 engine-drift floor (base graphs)..."):
             t0 = time.perf_counter()
             floor = behavior.logprob_gap(p.floor[0], p.floor[1], p.prompts, **p.sampling)

@@ -190,6 +190,7 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
         "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model},
         "kernels": o.kernels,
         "kernels_effective": kernels_eff,
+        "rollout_engine": o.rollout_engine,
         "sites": site_counts(learner, rollout) | {
             "uncaptured": uncaptured_linears(lm.model, rollout.sites, pipe.base_scoring.captured.opaque),
             "opaque_modules": [dataclasses.asdict(x) for x in pipe.base_scoring.captured.opaque]},

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.apps.cliutil import add_dtype, add_force, add_threads, add_verbose, exit_status
+from qpass.apps.cliutil import add_dtype, add_force, add_rollout_engine, add_threads, add_verbose, exit_status
 from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
@@ -81,6 +81,7 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--total-time-s", type=_pos_float, default=None,
                    help="time budget for everything incl. model load; split evenly over the remaining recipes")
     add_threads(g)
+    add_rollout_engine(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
     add_verbose(g)
@@ -255,15 +256,21 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
             }
             write_json_atomic(tmp / "config.json", config)
             write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
-            with _learner_engine(a, pipe, learner) as engine:
+            with contextlib.ExitStack() as engines:
+                engine = engines.enter_context(_learner_engine(a, pipe, learner))
                 if engine is not None:
                     config["learner_engine"] = {"name": engine.name, "tp": a.tp, "timeout_s": a.megatron_timeout_s,
                                                 "fake_quant_modules": len(getattr(engine, "plan", {}))}
+                rollout_eng = None
+                if a.rollout_engine == "vllm":
+                    rollout_eng = engines.enter_context(_vllm_engine(a, pipe, rollout))
+                    config["rollout_engine"] = {"name": "vllm", "start_s": rollout_eng.start_s}
+                if engine is not None or rollout_eng is not None:
                     write_json_atomic(tmp / "config.json", config)
                 trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
                                       shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
-                                      learner_engine=engine)
+                                      learner_engine=engine, rollout_engine=rollout_eng)
                 res = trainer.run(progress=not a.no_progress)
             last = res.rows[-1] if res.rows else {}
             keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
@@ -278,7 +285,10 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "reward_failures": trainer.reward.stats(),
                 "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
                 and all(r.get("parity/bitexact_ok", True) for r in rows)
-                and all(r.get("parity/served_ok", True) and r.get("parity/learner_bytes_ok", True) for r in rows),
+                and all(r.get("parity/served_ok", True) and r.get("parity/learner_bytes_ok", True) for r in rows)
+                and all(r.get("parity/engine_bitexact_ok", True) for r in rows),
+                "rollout_engine": a.rollout_engine,
+                "engine_bitexact_steps": [r.get("parity/engine_bitexact_ok") for r in rows if "parity/engine_bitexact_ok" in r],
             }
             write_json_atomic(tmp / "summary.json", summary)
             if not a.no_plots and rows:
@@ -323,6 +333,17 @@ def _check_learner_model(a: argparse.Namespace, hf_config: Any) -> None:
             layout_from_hf(hf_config, tp=a.tp)
         except MegatronConfigError as exc:
             raise CliError(f"--learner megatron --tp {a.tp}: {exc}") from None
+def _vllm_engine(a: argparse.Namespace, pipe: Any, rollout: Any) -> Any:
+    """The vLLM engine context for ``--rollout-engine vllm``: the recipe's rollout side exported from the
+    initial master weights (:func:`qpass.apps.engines.vllm_rollout`), one live engine for the whole run."""
+    from qpass.apps.engines import vllm_rollout
+    from qpass.pipeline import DTYPES
+    from qpass.prompts import encode_chat, probe_prompts
+
+    cap = pipe.base_step.captured
+    return vllm_rollout(pipe.loaded.model, pipe.tokenizer, DTYPES[a.dtype], rollout=rollout,
+                        calibration_ids=encode_chat(pipe.tokenizer, probe_prompts(4)), batch_size=int(cap.batch_size),
+                        max_len=int(cap.max_len), seed=a.seed)
 
 
 def _mean(xs: list[Any]) -> float | None:

@@ -320,6 +320,10 @@ class GRPOTrainer:
         shadow_base: the unquantized base step graph (``Pipeline.base_step``) for the BF16 shadow;
             required when ``cfg.shadow``.
         metrics_path, layerwise_path, eval_path: JSONL files to append to (None: not written).
+        rollout_engine: a live :class:`qpass.runtime.RolloutEngine` (e.g. vLLM, ``--rollout-engine
+            vllm``) that samples instead of the rollout graph; every sync updates it from the
+            learner's master weights and reads its served bytes back for the bit-level check
+            (``parity/engine_bitexact_ok``). The rollout graph is still synced (its diagnostics).
         template: user-message template of the task prompts.
         recipe_name: label for progress output.
         learner_engine: a :class:`qpass.runtime.engine.LearnerEngine` that computes ``p`` and is
@@ -354,6 +358,7 @@ class GRPOTrainer:
         template: str = DEFAULT_TEMPLATE,
         recipe_name: str = "",
         learner_engine: Any = None,
+        rollout_engine: Any = None,
     ) -> None:
         from qpass.runtime.engine import make_learner_engine, make_rollout_engine
 
@@ -372,7 +377,8 @@ class GRPOTrainer:
             raise ValueError("GRPOConfig.loss.beta > 0 needs a reference policy, which an external learner engine "
                              f"({getattr(learner_engine, 'name', '?')}) does not provide here")
         self.le = learner_engine if self.external else make_learner_engine("qpass", qg=learner)
-        self.ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
+        self.graph_ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
+        self.ro = rollout_engine if rollout_engine is not None else self.graph_ro
         self.pad = int(pad)
         self.micro = cfg.micro_batch_size or self.ro.batch_size
         n_rows = cfg.prompts_per_step * cfg.group_size
@@ -712,16 +718,19 @@ class GRPOTrainer:
 
         # 5. sync and verify
         t0 = time.perf_counter()
-        weights = self.le.export_weights()
+        masters = self.le.export_weights()
         if self.external:
-            self._mirror(weights)
-        rep = self.ro.update_weights(weights)
+            self._mirror(masters)
+        rep = self.graph_ro.update_weights(masters)
         row.update({"parity/sync_copied": rep.copied, "parity/sync_requantized": rep.requantized,
                     "time/sync_s": time.perf_counter() - t0})
+        engine_failure = self._sync_engine(masters, row) if self.ro is not self.graph_ro else None
         t0 = time.perf_counter()
         ver = verify_sync(self.learner_qg, self.rollout_qg, rep.fingerprints)
         row.update(ver.to_dict("parity/"))
         failures: list[str] = [] if ver.ok else [f"sync fingerprints: {ver.mismatches[:3]}"]
+        if engine_failure:
+            failures.append(engine_failure)
         run_full = self.aligned and (final or (cfg.bitexact_every and s % cfg.bitexact_every == 0))
         if run_full:
             br = check_weights_bitexact(self.learner_qg, self.rollout_qg)
@@ -730,13 +739,13 @@ class GRPOTrainer:
             if not br.ok:
                 failures.append(f"bit-exact: {br.failures()[:3]}")
         if self.external:
-            sv = self._served_checks(weights)
+            sv = self._served_checks(masters)
             row.update(sv)
             if not sv["parity/served_ok"]:
                 failures.append(f"served bytes vs exported weights: {sv['parity/served_mismatches'][:3]}")
             if not sv.get("parity/learner_bytes_ok", True):
                 failures.append(f"served bytes vs learner fake-quant bytes: {sv['parity/learner_bytes_mismatches'][:3]}")
-        del weights
+        del masters
         row["time/verify_s"] = time.perf_counter() - t0
 
         # update visibility
@@ -761,6 +770,20 @@ class GRPOTrainer:
         if failures:
             self._parity_failure(f"step {s}: " + "; ".join(failures))
         return row
+
+    def _sync_engine(self, masters: dict[str, torch.Tensor], row: dict[str, Any]) -> str | None:
+        """Update the live rollout engine from ``masters`` and compare the bytes it serves with qpass's
+        quantizer of them (:func:`qpass.parity.served.check_served_weights`). Returns a failure or None."""
+        from qpass.parity.served import check_served_weights
+
+        t0 = time.perf_counter()
+        self.ro.update_weights(masters)
+        row["time/engine_sync_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        chk = check_served_weights(masters, self.ro.served_weights())
+        row.update({"parity/engine": self.ro.name, "parity/engine_bitexact_ok": chk.ok, "parity/engine_sites": chk.checked,
+                    "parity/engine_mismatches": list(chk.mismatches[:5]), "time/engine_verify_s": time.perf_counter() - t0})
+        return None if chk.ok else f"{self.ro.name} engine serves other bytes than qpass's quantizer: {chk.mismatches[:3]}"
 
     # ------------------------------------------------------------------ run
     def run(self, steps: int | None = None, *, progress: bool = False,

@@ -109,6 +109,10 @@ class StudyConfig:
             other jobs, 1 thread avoids OpenMP oversubscription (10x faster on the dev box).
         force: replace an existing ``out``.
         progress: show a tqdm bar.
+        rollout_engine: who samples in the on-policy operand ablation: ``qpass`` (the rollout
+            graphs) or ``vllm`` (a live vLLM engine per configuration serving its exported
+            checkpoint: the BF16 floor then carries vLLM's engine drift; W16A4 has no NVFP4
+            weights to serve and is skipped there). The paired replay always uses the graphs.
     """
 
     model: str = "default"
@@ -129,6 +133,7 @@ class StudyConfig:
     threads: int | None = None
     force: bool = False
     progress: bool = True
+    rollout_engine: str = "qpass"
 
 
 # ------------------------------------------------------------------------------------ building
@@ -408,10 +413,23 @@ class _Study:
                 self.prog.done()
                 continue
             t = time.perf_counter()
-            g = logprob_gap(learner_bf16, graphs[name], self.prompts, pad_token_id=self.pad, eos_token_id=self.eos,
-                            max_new_tokens=cfg.max_new_tokens, samples_per_prompt=1, temperature=cfg.temperature,
-                            top_p=cfg.top_p, seed=cfg.seed)
-            out[name] = {**g.summary(), "tokens_per_s": g.tokens_per_s, "time_s": time.perf_counter() - t}
+            kw = dict(pad_token_id=self.pad, eos_token_id=self.eos, max_new_tokens=cfg.max_new_tokens, samples_per_prompt=1,
+                      temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+            if cfg.rollout_engine == "vllm":
+                if name == "w16a4":  # bf16 weights with NVFP4 activations: nothing a qpass_nvfp4 checkpoint carries
+                    self.skipped.append("on_policy_w16a4 (vllm: no NVFP4 weights to serve)")
+                    self.prog.done()
+                    continue
+                from qpass.apps.engines import vllm_rollout
+
+                with vllm_rollout(self.pipe.loaded.model, self.pipe.tokenizer, next(self.pipe.loaded.model.parameters()).dtype,
+                                  rollout=None if name == "bf16" else graphs[name], calibration_ids=self.prompts,
+                                  batch_size=self.bs, max_len=self.max_len, seed=cfg.seed) as eng:
+                    g = logprob_gap(learner_bf16, eng, self.prompts, **kw)
+            else:
+                g = logprob_gap(learner_bf16, graphs[name], self.prompts, **kw)
+            out[name] = {**g.summary(), "tokens_per_s": g.tokens_per_s, "time_s": time.perf_counter() - t,
+                         "rollout_engine": cfg.rollout_engine}
             self.prog.done()
         return out
 
@@ -612,7 +630,7 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Pat
 
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    from qpass.apps.cliutil import add_force, add_threads, add_verbose
+    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose
 
     p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -634,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads(p)
     add_force(p, "study.json")
     add_verbose(p)
+    add_rollout_engine(p)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -665,7 +684,8 @@ def config_from_args(a: argparse.Namespace) -> StudyConfig:
     return StudyConfig(model=a.model, out=a.out, device=a.device, kernels=a.kernels, prompts=prompts,
                        max_new_tokens=tokens, quick=quick, ratios=ratios, layers=layers, batch_size=batch, seed=a.seed,
                        temperature=a.temperature, top_p=a.top_p, budget_s=a.budget_s, bootstrap=a.bootstrap,
-                       threads=a.threads, force=a.force, progress=not a.no_progress)
+                       threads=a.threads, force=a.force, progress=not a.no_progress,
+                       rollout_engine=a.rollout_engine)
 
 
 def main(argv: list[str] | None = None) -> int:
