@@ -27,11 +27,11 @@ def test_one_tree_with_shared_flags():
     ap = build_parser()
     sub = next(a for a in ap._actions if a.dest == "command")
     assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "export", "recipes", "bench", "grpo", "grpo-plot", "study"}
-    shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose"},
-              "check": {"--threads", "--dtype", "-v", "--verbose"},
+    shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose", "--rollout-engine"},
+              "check": {"--threads", "--dtype", "-v", "--verbose", "--rollout-engine"},
               "export": {"--threads", "--force", "-v", "--verbose"},
-              "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose"},
-              "study": {"--threads", "--force", "-v", "--verbose"}}
+              "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose", "--rollout-engine"},
+              "study": {"--threads", "--force", "-v", "--verbose", "--rollout-engine"}}
     for name, flags in shared.items():
         assert flags <= _options(sub.choices[name]), (name, flags - _options(sub.choices[name]))
     assert {"-v", "--verbose"} <= _options(sub.choices["grpo-plot"])
@@ -39,9 +39,12 @@ def test_one_tree_with_shared_flags():
     helps = {}
     for name in shared:
         for a in sub.choices[name]._actions:
-            if "--threads" in a.option_strings or "--verbose" in a.option_strings:
+            if {"--threads", "--verbose", "--rollout-engine"} & set(a.option_strings):
                 helps.setdefault(a.option_strings[-1], set()).add(a.help)
     assert all(len(h) == 1 for h in helps.values()), helps
+    engines = {tuple(a.choices) for name in ("apply", "check", "grpo", "study") for a in sub.choices[name]._actions
+               if "--rollout-engine" in a.option_strings}
+    assert engines == {("qpass", "vllm")}
 
 
 def test_verbose_gives_debug_output(capsys, tmp_path, restore_logging):
