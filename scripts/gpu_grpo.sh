@@ -22,7 +22,7 @@
 #
 # Knobs (environment): STEPS (12) PROMPTS (8) GROUP (8) MAX_NEW (32) LR (3e-5) DIFFICULTY (2)
 #   SEED (0) KERNELS (triton if it imports on a CUDA device, else reference) BUDGET_S (420)
-#   HARD_S (465) CORRECTION (none) EVAL_PROMPTS (64) RECIPES (the five above, comma-separated)
+#   HARD_S (465) CORRECTION (is) EVAL_PROMPTS (64) RECIPES (the five above, comma-separated)
 #   DEVICE (cuda; "cpu" for a dry run) EXTRA (extra CLI arguments, e.g. "--beta 0.01")
 set -u
 set -o pipefail
@@ -49,7 +49,7 @@ DIFFICULTY="${DIFFICULTY:-2}"
 SEED="${SEED:-0}"
 BUDGET_S="${BUDGET_S:-420}"
 HARD_S="${HARD_S:-465}"
-CORRECTION="${CORRECTION:-none}"
+CORRECTION="${CORRECTION:-is}"  # the old runs' setting: untruncated p_prox/q (called "none" before issue 13)
 EVAL_PROMPTS="${EVAL_PROMPTS:-64}"
 DEVICE="${DEVICE:-cuda}"
 EXTRA="${EXTRA:-}"

@@ -89,7 +89,16 @@ def tiny_trainer(pipe, recipe: str, cfg: GRPOConfig, tmp: Path | None = None, **
     paths = {} if tmp is None else {"metrics_path": tmp / "metrics.jsonl", "layerwise_path": tmp / "layerwise.jsonl",
                                     "eval_path": tmp / "eval.jsonl"}
     kw.setdefault("reward_fn", text_hash_reward)
-    return GRPOTrainer(learner, rollout, FakeTok(), TINY_TASK, cfg, shadow_base=pipe.base_step, recipe_name=recipe, **paths, **kw)
+    if cfg.shadow:
+        kw.setdefault("shadow", bf16_shadow(pipe))
+    return GRPOTrainer(learner, rollout, FakeTok(), TINY_TASK, cfg, recipe_name=recipe, **paths, **kw)
+
+
+def bf16_shadow(pipe):
+    """The BF16 shadow as qpass grpo builds it: the bf16 recipe's rollout graph."""
+    from qpass.recipe import load_recipe
+
+    return pipe.build_side(load_recipe("bf16"), "rollout")
 
 
 # --------------------------------------------------------------------------- jsonl
@@ -340,7 +349,7 @@ def test_tiny_every_response_masked(tiny_pipeline):
 
     learner, rollout = tiny_pipeline.build(load_recipe("naive_nvfp4"))
     cfg = tiny_cfg(steps=1, eval_every=0, diag_every=0, mask_truncated=True)
-    tr = GRPOTrainer(learner, rollout, NoEosTok(), TINY_TASK, cfg, reward_fn=text_hash_reward, shadow_base=tiny_pipeline.base_step)
+    tr = GRPOTrainer(learner, rollout, NoEosTok(), TINY_TASK, cfg, reward_fn=text_hash_reward, shadow=bf16_shadow(tiny_pipeline))
     row = tr.step(final=True)
     assert row["resp/finished_frac"] == 0.0 and row["resp/n_loss_tokens"] == 0 and row["resp/n_all_masked"] == 4
     assert row["gap/token/g_abs"] is None or math.isnan(row["gap/token/g_abs"])
@@ -403,20 +412,21 @@ def test_tiny_fp8_and_bf16_recipes_sync_checks(tiny_pipeline):
 
 
 def test_tiny_shadow_weights_modes(tiny_pipeline):
-    from qpass.apps.grpo.probes import BF16Shadow
+    from qpass.apps.grpo.probes import shadow_weights
+    from qpass.graph.capture import site_of
 
     tr = tiny_trainer(tiny_pipeline, "w4a16_qat", tiny_cfg(steps=1, eval_every=0, diag_every=0, initial_check=False))
-    sh = BF16Shadow(tiny_pipeline.base_step)
     lp = dict(tr.learner_qg.gm.named_parameters())
     sid, rec = next((s, r) for s, r in tr.learner_qg.quant.items() if r.weight_fake_quant)
-    sh.sync(tr.learner_qg, weights="master")
-    assert torch.equal(sh.qg.attr(rec.weight), lp[rec.weight])
-    sh.sync(tr.learner_qg, weights="learner")
+    exported = tr.le.export_weights()
+    master = shadow_weights(tr.learner_qg, exported, mode="master")
+    assert master.keys() == exported.keys() and all(master[k] is exported[k] for k in exported)
+    learner = shadow_weights(tr.learner_qg, exported, mode="learner")
     amax = torch.ops.qpass.group_amax([lp[tr.learner_qg.quant[m].weight] for m in rec.members])
     w_hat = torch.ops.qpass.nvfp4_qdq(lp[rec.weight].detach(), amax, sid)
-    assert torch.equal(sh.qg.attr(rec.weight), w_hat) and not torch.equal(w_hat, lp[rec.weight])
-    with pytest.raises(ValueError, match="weights must be"):
-        sh.sync(tr.learner_qg, weights="fp32")
+    assert torch.equal(learner[site_of(rec.weight)], w_hat) and not torch.equal(w_hat, lp[rec.weight])
+    with pytest.raises(ValueError, match="must be 'master' or 'learner'"):
+        shadow_weights(tr.learner_qg, exported, mode="fp32")
 
 
 def test_tiny_time_budget_stops_cleanly_with_final_checks(tiny_pipeline, tmp_path):

@@ -16,7 +16,11 @@ def _err(text: str) -> str:
 
 def test_builtin_recipes_all_validate_and_have_expected_passes():
     names = set(builtin_recipes())
-    assert names == {"bf16", "w4a16_qat", "naive_nvfp4", "quads_nvfp4", "quads_nvfp4_moe", "w4a4_qat", "fp8_block"}
+    assert names == {"bf16", "w4a16_qat", "naive_nvfp4", "quads_nvfp4", "quads_nvfp4_moe", "w4a4_qat", "fp8_block",
+                     "qat_only"}
+    qo = load_recipe("qat_only")  # weight-QDQ learner, plain W4A4 rollout, no RAC
+    assert [p.name for p in qo.learner] == ["weight_qdq"] and [p.name for p in qo.rollout] == ["w4a4_lower"]
+    assert qo.rollout[0].options.act == "nvfp4"
     q = load_recipe("quads_nvfp4")
     assert [p.name for p in q.learner] == ["weight_qdq"]
     assert [p.name for p in q.rollout] == ["w4a4_lower", "residual_compensation"]

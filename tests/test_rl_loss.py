@@ -92,8 +92,12 @@ def test_correction_weights():
     # MIS: c * 1[0.5 <= c <= 2], bounds inclusive; +inf is outside
     assert cb.tolist() == [0.0, 0.5, 1.0, 2.0, 0.0, 0.0]
     assert aff.tolist() == [True, False, False, False, True, True]
-    cb, aff = correction_weights(c, Correction("none"))
+    cb, aff = correction_weights(c, Correction("is"))
     assert torch.equal(cb, c) and not aff.any()
+    # none: no importance correction at all, every weight 1; "affected" marks c != 1
+    cb, aff = correction_weights(c, Correction("none"))
+    assert cb.tolist() == [1.0] * 6
+    assert aff.tolist() == [True, True, False, True, True, True]
     with pytest.raises(ValueError, match="lo <= hi"):
         Correction("mis", lo=2.0, hi=1.0)
     with pytest.raises(ValueError, match="cap"):
@@ -120,9 +124,24 @@ def _inputs(pad: float = 1e9, pad_q: float = NAN):
     return lp.clone().requires_grad_(True), lq
 
 
-def test_loss_no_correction_token_mean_and_grad():
+IS = LossConfig(correction=Correction("is"))
+
+
+def test_loss_none_means_no_importance_weight():
     lp, lq = _inputs()
-    loss, st = grpo_loss(lp, lp.detach(), lq, ADV, MASK)
+    loss, st = grpo_loss(lp, lp.detach(), lq, ADV, MASK)  # default correction: none
+    # c never enters: -(1/4) [1 + 1 + 1 + (-2)] = -0.25
+    assert loss.item() == pytest.approx(-0.25, abs=1e-12)
+    assert st["cbar_mean"] == 1.0 and st["c_mean"] == pytest.approx(1.5, abs=1e-12)
+    loss.backward()
+    # dL/dlogp_t = -A r / N: [-1/4] * 3, [+2/4]
+    expect = torch.tensor([[-0.25, -0.25, -0.25], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(lp.grad, expect, rtol=0, atol=1e-12)
+
+
+def test_loss_untruncated_is_token_mean_and_grad():
+    lp, lq = _inputs()
+    loss, st = grpo_loss(lp, lp.detach(), lq, ADV, MASK, IS)
     # -(1/4) [1*1 + 3*1 + 0.5*1 + 1.5*(-2)] = -(4.5 - 3)/4 = -0.375
     assert loss.item() == pytest.approx(-0.375, abs=1e-12)
     assert (st["n_tokens"], st["n_seqs"], st["n_dropped"]) == (4.0, 2.0, 0.0)
@@ -134,7 +153,7 @@ def test_loss_no_correction_token_mean_and_grad():
     torch.testing.assert_close(lp.grad, expect, rtol=0, atol=1e-12)
     # logp_prox=None means p_prox = p_theta (single update per batch): identical
     lp2, lq2 = _inputs()
-    assert grpo_loss(lp2, None, lq2, ADV, MASK).loss.item() == pytest.approx(-0.375, abs=1e-12)
+    assert grpo_loss(lp2, None, lq2, ADV, MASK, IS).loss.item() == pytest.approx(-0.375, abs=1e-12)
 
 
 def test_loss_tis():
@@ -166,7 +185,7 @@ def test_loss_mis_keeps_dropped_tokens_in_denominator():
 
 def test_loss_seq_mean():
     lp, lq = _inputs()
-    loss, _ = grpo_loss(lp, lp.detach(), lq, ADV, MASK, LossConfig(agg="seq_mean"))
+    loss, _ = grpo_loss(lp, lp.detach(), lq, ADV, MASK, LossConfig(agg="seq_mean", correction=Correction("is")))
     # row0: (1 + 3 + 0.5)/3 = 1.5; row1: 1.5 * (-2) / 1 = -3; row2 empty: excluded
     # L = -(1.5 - 3)/2 = 0.75
     assert loss.item() == pytest.approx(0.75, abs=1e-12)
@@ -184,9 +203,9 @@ def test_loss_seq_mean():
 def test_loss_normalizer_override():
     lp, lq = _inputs()
     # global token count 8 (e.g. two micro-batches): -(1.5)/8 = -0.1875
-    assert grpo_loss(lp, None, lq, ADV, MASK, normalizer=8).loss.item() == pytest.approx(-0.1875, abs=1e-12)
+    assert grpo_loss(lp, None, lq, ADV, MASK, IS, normalizer=8).loss.item() == pytest.approx(-0.1875, abs=1e-12)
     # seq_mean with 4 responses globally: -(1.5 - 3)/4 = 0.375
-    cfg = LossConfig(agg="seq_mean")
+    cfg = LossConfig(agg="seq_mean", correction=Correction("is"))
     assert grpo_loss(lp, None, lq, ADV, MASK, cfg, normalizer=4).loss.item() == pytest.approx(0.375, abs=1e-12)
     with pytest.raises(ValueError, match="normalizer"):
         grpo_loss(lp, None, lq, ADV, MASK, normalizer=0)
@@ -239,6 +258,34 @@ def test_loss_asymmetric_clip():
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.125, 0.0, 0.375]], dtype=F64), rtol=0, atol=1e-12)
 
 
+def test_loss_coupled_ratio_against_rollout_logprobs():
+    # p_theta = 0.5 on 3 tokens, q = [0.25, 0.5, 0.8], p_prox = p_theta, A = +1, clip [0.8, 1.28]
+    lp = torch.log(torch.tensor([[0.5, 0.5, 0.5]], dtype=F64)).requires_grad_(True)
+    lq = torch.log(torch.tensor([[0.25, 0.5, 0.8]], dtype=F64))
+    adv, mask = torch.ones(1, dtype=F64), torch.ones(1, 3)
+    coupled = LossConfig(ratio="coupled")
+    loss, st = grpo_loss(lp, lp.detach(), lq, adv, mask, coupled)
+    # r = p_theta / q = [2, 1, 0.625]: min(2, 1.28) = 1.28 (clipped high), 1, min(0.625, 0.8) = 0.625
+    # L = -(1.28 + 1 + 0.625)/3 = -0.9683333...
+    assert loss.item() == pytest.approx(-(1.28 + 1 + 0.625) / 3, abs=1e-12)
+    assert st["ratio_max"] == pytest.approx(2.0, abs=1e-12) and st["cbar_mean"] == 1.0
+    assert (st["n_pos"], st["n_clip_pos"], st["n_coupled_clip_pos"]) == (3.0, 1.0, 1.0)
+    assert st["clip_pos_frac"] == pytest.approx(1 / 3) and math.isnan(st["clip_neg_frac"])
+    loss.backward()
+    # clipped token: 0; others -A r / N = -1/3, -0.625/3
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1 / 3, -0.625 / 3]], dtype=F64), rtol=0, atol=1e-12)
+    # decoupled on the same tokens: r = p_theta / p_prox = 1 (nothing clipped), the coupled ratio is only logged
+    lp.grad = None
+    loss, st = grpo_loss(lp, lp.detach(), lq, adv, mask)
+    assert loss.item() == pytest.approx(-1.0, abs=1e-12)  # none: -(1 + 1 + 1)/3
+    assert (st["n_clip_pos"], st["n_coupled_clip_pos"]) == (0.0, 1.0)
+    loss, _ = grpo_loss(lp, lp.detach(), lq, adv, mask, IS)
+    assert loss.item() == pytest.approx(-(2 + 1 + 0.625) / 3, abs=1e-12)  # c = [2, 1, 0.625]
+    with pytest.raises(ValueError, match="coupled.*no importance correction"):
+        LossConfig(ratio="coupled", correction=Correction("tis"))
+    assert LossConfig().eps_high == 0.28 and LossConfig().eps_low == 0.2
+
+
 # --------------------------------------------------------------------------- loss: non-finite
 
 
@@ -253,27 +300,31 @@ def test_loss_nonfinite_log_ratios_are_dropped_but_counted():
     lp = torch.tensor([[-1.0, -1.0, -INF, -INF]], dtype=F64, requires_grad=True)
     prox = torch.tensor([[-1.0, -1.0, -INF, -1.0]], dtype=F64)
     lq = torch.tensor([[-1.0, -INF, -1.0, -1.0]], dtype=F64)
-    for corr in (Correction("none"), Correction("tis"), Correction("mis")):
+    for corr in (Correction("none"), Correction("is"), Correction("tis"), Correction("mis")):
         lp.grad = None
         loss, st = grpo_loss(lp, prox, lq, torch.ones(1, dtype=F64), torch.ones(1, 4), LossConfig(correction=corr))
         assert loss.item() == pytest.approx(-0.25, abs=1e-12), corr
         assert st["n_dropped"] == 3.0 and st["dropped_frac"] == 0.75 and st["n_tokens"] == 4.0
         loss.backward()
         assert torch.equal(lp.grad, torch.tensor([[-0.25, 0.0, 0.0, 0.0]], dtype=F64))
-        assert all(math.isfinite(v) for v in st.values())
+        assert all(math.isfinite(v) for k, v in st.items() if k != "clip_neg_frac")  # no A < 0 token: nan
+        assert math.isnan(st["clip_neg_frac"])
     with pytest.raises(ValueError, match=r"3 valid token\(s\).*first at \[0, 1\]"):
         grpo_loss(lp, prox, lq, torch.ones(1, dtype=F64), torch.ones(1, 4), LossConfig(nonfinite="raise"))
 
 
 def test_loss_overflow_float32():
-    # float32: c = e^100 overflows to inf. With no correction the token is dropped (still in N);
-    # under TIS it is a legitimate c > C and is truncated to 2.
+    # float32: c = e^100 overflows to inf. With untruncated IS the token is dropped (still in N);
+    # under TIS it is a legitimate c > C and is truncated to 2; under none c never enters.
     lp = torch.zeros(1, 2, requires_grad=True)
     lq = torch.tensor([[0.0, -100.0]])
     adv = torch.ones(1)
-    loss, st = grpo_loss(lp, None, lq, adv, torch.ones(1, 2))
+    loss, st = grpo_loss(lp, None, lq, adv, torch.ones(1, 2), IS)
     # -(1*1 + 0)/2 = -0.5
     assert loss.item() == pytest.approx(-0.5) and st["n_dropped"] == 1.0
+    loss, st = grpo_loss(lp, None, lq, adv, torch.ones(1, 2))
+    # -(1 + 1)/2 = -1
+    assert loss.item() == pytest.approx(-1.0) and st["n_dropped"] == 0.0
     loss, st = grpo_loss(lp, None, lq, adv, torch.ones(1, 2), LossConfig(correction=Correction("tis", cap=2.0)))
     # -(1 + 2)/2 = -1.5
     assert loss.item() == pytest.approx(-1.5) and st["n_dropped"] == 0.0 and st["tis_truncated_frac"] == 0.5

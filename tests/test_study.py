@@ -103,12 +103,13 @@ def test_study_quick(pipe, tmp_path):
 
     # every configuration is present and measured
     combos = [f"{m}_{s}" for m in ("masked", "gathered") for s in ("batch", "token")]
-    rollouts = {"bf16", "bf16_fp32acc", "w4a16", "w16a4", "w4a4"} | {f"rac_k{k}_{c}" for k in (50, 100) for c in combos} \
+    rollouts = {"bf16", "bf16_fp32acc", "w4a16", "w16a4", "w4a4", "w16a4_pt", "w4a4_pt"} | {f"rac_k{k}_{c}" for k in (50, 100) for c in combos} \
         | {"rac_zero_channels_masked_batch", "rac_zero_channels_gathered_token"}
     assert set(data["rollouts"]) == rollouts
-    assert set(data["learners"]) == {"bf16", "w_qdq", "a_qdq", "wa_qdq"}
+    assert set(data["learners"]) == {"bf16", "w_qdq", "a_qdq", "wa_qdq", "a_qdq_pt", "wa_qdq_pt"}
     pairs = {"floor", "floor_kernel", "op_w4a16", "op_w16a4", "op_w4a4", "qdq_w4a16_wqdq", "qdq_w16a4_aqdq", "quads_k0",
-             "sym_w4a4_waqdq", "rac_k0", "quads_ref"} | {f"rac_k{k}_{c}" for k in (50, 100) for c in combos}
+             "sym_w4a4_waqdq", "rac_k0", "quads_ref", "op_w16a4_pt", "qdq_w16a4_aqdq_pt", "quads_k0_pt",
+             "sym_w4a4_waqdq_pt"} | {f"rac_k{k}_{c}" for k in (50, 100) for c in combos}
     assert set(data["pairs"]) == pairs
     for k, p in data["pairs"].items():
         assert p["replay"]["tokens"] == data["sampled"]["tokens"] > 0, k
@@ -157,9 +158,13 @@ def test_study_quick(pipe, tmp_path):
 _L0 = [r"re:model\.layers\.(0)\..*"]
 _RAC_L0 = [r"re:model\.layers\.(0)\.mlp\.(gate_proj|up_proj)"]
 _OLD_LEARNERS = {"bf16": [], "w_qdq": [("weight_qdq", {})], "a_qdq": [("act_qdq", {})],
-                 "wa_qdq": [("weight_qdq", {}), ("act_qdq", {})]}
+                 "wa_qdq": [("weight_qdq", {}), ("act_qdq", {})],
+                 # per-token controls (issue 13), not former configurations
+                 "a_qdq_pt": [("act_qdq", {"per_token": True})],
+                 "wa_qdq_pt": [("weight_qdq", {}), ("act_qdq", {"per_token": True})]}
 _OLD_ROLLOUTS = {"bf16": [], "w4a16": [("w4a16_lower", {})], "w16a4": [("act_qdq", {})],
-                 "w4a4": [("w4a4_lower", {"act": "nvfp4"})], "bf16_fp32acc": [("fp32_accumulate_linear", {})]}
+                 "w4a4": [("w4a4_lower", {"act": "nvfp4"})], "bf16_fp32acc": [("fp32_accumulate_linear", {})],
+                 "w16a4_pt": [("act_qdq", {"per_token": True})], "w4a4_pt": [("w4a4_lower", {"act": "nvfp4_per_token"})]}
 
 
 def _entries(passes) -> list[tuple[str, dict]]:

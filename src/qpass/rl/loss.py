@@ -8,7 +8,20 @@ recomputed by the learner) and the current learner ``p_theta``.
     c_t   = p_prox / q                                        (mismatch ratio, no gradient)
     r_t   = p_theta / p_prox                                  (PPO ratio, gradient through p_theta)
     L     = -(1/N) sum_t sg(c_bar_t) * min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) + beta * KL
-    none: c_bar = c      TIS: c_bar = min(c, C)      MIS: c_bar = c * 1[lo <= c <= hi]
+    none: c_bar = 1   is: c_bar = c   TIS: c_bar = min(c, C)   MIS: c_bar = c * 1[lo <= c <= hi]
+
+Two ratio modes (:attr:`LossConfig.ratio`):
+
+* ``"decoupled"`` (above; AReaL decoupled PPO, Miles decoupled TIS): the trust region is around
+  the proximal policy, the rollout mismatch enters only through ``c_bar``;
+* ``"coupled"``: ``r_t = p_theta / q`` with ``c_bar = 1`` (classic PPO with the behaviour
+  log-probs as "old"): the rollout mismatch sits *inside* the clipped ratio, which is the setting
+  in which a naive W4A4 rollout lets ratios leave the trust region (QUADS §3). ``correction`` must
+  be ``none`` there (there is no ``p_prox`` to correct against).
+
+Whatever the mode, the stats also report the clip branches of the *other* ratio's counterpart:
+``coupled_clip_{pos,neg}_frac`` are the clip fractions of ``p_theta / q`` per advantage sign, so a
+decoupled run logs how often a coupled PPO would have clipped on the same tokens.
 
 Conventions chosen here (each is a documented, tested decision):
 
@@ -64,6 +77,10 @@ __all__ = [
 ]
 
 ADV_EPS = 1e-6
+#: Correction kinds of :class:`Correction` (the CLI's ``--correction`` choices).
+CORRECTIONS = ("none", "is", "tis", "mis")
+#: Ratio modes of :class:`LossConfig` (the CLI's ``--ratio`` choices).
+RATIO_MODES = ("decoupled", "coupled")
 
 
 # --------------------------------------------------------------------------- advantages
@@ -152,20 +169,21 @@ class Correction:
     """Importance correction of the mismatch ratio ``c = p_prox / q`` (SPEC §5, B1).
 
     Attributes:
-        kind: ``"none"`` (``c_bar = c``), ``"tis"`` (``c_bar = min(c, cap)``) or ``"mis"``
+        kind: ``"none"`` (``c_bar = 1``: no importance correction at all), ``"is"`` (``c_bar = c``:
+            untruncated importance weights), ``"tis"`` (``c_bar = min(c, cap)``) or ``"mis"``
             (``c_bar = c * 1[lo <= c <= hi]``, bounds inclusive).
         cap: TIS cap ``C`` (Miles/slime/verl default 2.0; TRL 3.0). Must be > 0.
         lo, hi: MIS bounds (Miles mis.yaml 0.5/2.0; NeMo-RL/OpenRLHF 0.5/5.0). ``0 <= lo <= hi``.
     """
 
-    kind: Literal["none", "tis", "mis"] = "none"
+    kind: Literal["none", "is", "tis", "mis"] = "none"
     cap: float = 2.0
     lo: float = 0.5
     hi: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "tis", "mis"):
-            raise ValueError(f"Correction.kind must be 'none', 'tis' or 'mis', got {self.kind!r}")
+        if self.kind not in CORRECTIONS:
+            raise ValueError(f"Correction.kind must be one of {list(CORRECTIONS)}, got {self.kind!r}")
         if not (self.cap > 0 and math.isfinite(self.cap)):
             raise ValueError(f"Correction.cap must be finite and > 0, got {self.cap}")
         if not (0 <= self.lo <= self.hi and math.isfinite(self.hi)):
@@ -179,10 +197,13 @@ def correction_weights(c: torch.Tensor, correction: Correction) -> tuple[torch.T
         c: float tensor of ratios ``p_prox / q`` (``>= 0``; ``+inf`` allowed; no NaN).
         correction: :class:`Correction`.
     Returns:
-        ``(c_bar, affected)``: ``c_bar`` same shape/dtype (``+inf`` -> ``cap`` under TIS, -> 0
-        under MIS); ``affected`` bool: ``c > cap`` (TIS), ``c`` outside ``[lo, hi]`` (MIS), all
-        False (none).
+        ``(c_bar, affected)``: ``c_bar`` same shape/dtype (all 1 under none, ``c`` under is,
+        ``+inf`` -> ``cap`` under TIS, -> 0 under MIS); ``affected`` bool: ``c > cap`` (TIS),
+        ``c`` outside ``[lo, hi]`` (MIS), ``c != 1`` (none: every token whose weight the
+        correction would have changed is ignored), all False (is).
     """
+    if correction.kind == "none":
+        return torch.ones_like(c), c != 1
     if correction.kind == "tis":
         cap = torch.full_like(c, correction.cap)
         return torch.minimum(c, cap), c > cap
@@ -200,8 +221,10 @@ class LossConfig:
     """Options of :func:`grpo_loss`.
 
     Attributes:
-        eps_low, eps_high: asymmetric clip range ``[1 - eps_low, 1 + eps_high]`` (DAPO uses
+        eps_low, eps_high: asymmetric clip range ``[1 - eps_low, 1 + eps_high]`` (default DAPO's
             0.2 / 0.28). ``0 <= eps_low < 1``, ``eps_high >= 0``.
+        ratio: ``"decoupled"`` (``r = p_theta / p_prox`` times ``c_bar``) or ``"coupled"``
+            (``r = p_theta / q``, ``c_bar = 1``; needs ``correction.kind == "none"``).
         correction: :class:`Correction` of ``c = p_prox / q``.
         agg: ``"token_mean"`` (SPEC §5 ``-(1/N) sum_t``) or ``"seq_mean"``.
         beta: KL coefficient (0 = no KL term).
@@ -211,7 +234,8 @@ class LossConfig:
     """
 
     eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_high: float = 0.28
+    ratio: Literal["decoupled", "coupled"] = "decoupled"
     correction: Correction = dataclasses.field(default_factory=Correction)
     agg: Literal["token_mean", "seq_mean"] = "token_mean"
     beta: float = 0.0
@@ -233,6 +257,11 @@ class LossConfig:
             raise ValueError(f"nonfinite must be 'drop' or 'raise', got {self.nonfinite!r}")
         if not isinstance(self.correction, Correction):
             raise TypeError(f"correction must be a Correction, got {type(self.correction).__name__}")
+        if self.ratio not in RATIO_MODES:
+            raise ValueError(f"ratio must be one of {list(RATIO_MODES)}, got {self.ratio!r}")
+        if self.ratio == "coupled" and self.correction.kind != "none":
+            raise ValueError(f"ratio='coupled' (r = p_theta / q) takes no importance correction; got correction "
+                             f"{self.correction.kind!r} (use ratio='decoupled' for is/tis/mis)")
 
 
 class LossOutput(NamedTuple):
@@ -271,12 +300,13 @@ def grpo_loss(
     logp_ref: torch.Tensor | None = None,
     normalizer: float | None = None,
 ) -> LossOutput:
-    """Decoupled clipped GRPO surrogate with TIS/MIS correction and optional k3 KL (SPEC §5).
+    """Decoupled (or coupled) clipped GRPO surrogate with IS/TIS/MIS correction and optional k3 KL (SPEC §5).
 
     Args:
         logp: float ``[B, T]``: ``log p_theta(a_t|h_t)`` of the current learner (requires grad).
         logp_prox: float ``[B, T]``: ``log p_prox`` (learner at the rollout snapshot; detached
-            here), or None for the single-update case where ``p_prox = p_theta`` (``r = 1``).
+            here), or None for the single-update case where ``p_prox = p_theta`` (``r = 1``;
+            under ``ratio="coupled"`` it is only used for the ``c_*`` stats).
             Bypass mode (no separate recompute) is ``logp_prox=logq``, which makes ``c = 1``.
         logq: float ``[B, T]``: ``log q`` recorded by the rollout engine (detached here).
         adv: float ``[B]``, ``[B, 1]`` or ``[B, T]`` advantages (from :func:`group_advantages`),
@@ -294,6 +324,10 @@ def grpo_loss(
         ``kl`` (k3 aggregated like the loss; only with ``logp_ref``), ``n_tokens``, ``n_seqs``, ``n_dropped``
         (non-finite policy), ``dropped_frac``, ``n_kl_dropped``, ``clip_frac``,
         ``clip_low_frac`` (A<0, r<1-eps_low), ``clip_high_frac`` (A>0, r>1+eps_high),
+        ``clip_pos_frac`` / ``clip_neg_frac`` (the same numerators over the A>0 / A<0 token counts
+        ``n_pos`` / ``n_neg``; numerators ``n_clip_pos`` / ``n_clip_neg``),
+        ``n_coupled_clip_pos`` / ``n_coupled_clip_neg`` (clipped tokens of the coupled ratio
+        ``p_theta / q`` per sign, in either mode),
         ``ratio_mean/min/max`` (r over kept tokens), ``c_mean/min/max`` (raw ``c`` before
         correction, over kept tokens), ``cbar_mean`` (``sum c_bar / N``: the average gradient
         weight, dropped/masked tokens as 0), ``tis_truncated_frac``, ``mis_masked_frac``.
@@ -330,9 +364,11 @@ def grpo_loss(
         raise ValueError(f"adv must be finite on valid tokens; adv{list(idx)} = {float(a[idx])}")
     a = torch.where(valid, a, zero)
 
+    coupled = cfg.ratio == "coupled"
     with torch.no_grad():
         log_c = torch.where(valid, lprox - lq, zero)
-        log_r0 = torch.where(valid, lp.detach() - lprox, zero)
+        anchor = lq if coupled else lprox  # the "old" policy of the PPO ratio
+        log_r0 = torch.where(valid, lp.detach() - anchor, zero)
         nonfinite = valid & (~torch.isfinite(log_c) | ~torch.isfinite(log_r0))
         c_raw = torch.exp(torch.where(nonfinite, zero, log_c))
         c_bar, affected = correction_weights(c_raw, cfg.correction)
@@ -350,7 +386,7 @@ def grpo_loss(
         ok = valid & ~drop
         c_bar = torch.where(ok, c_bar, zero)
 
-    log_r = torch.where(ok, lp - lprox, zero)  # gradient flows through lp on kept tokens only
+    log_r = torch.where(ok, lp - anchor, zero)  # gradient flows through lp on kept tokens only
     r = torch.exp(log_r)
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     surr = torch.minimum(r * a, torch.clamp(r, lo, hi) * a)
@@ -383,6 +419,11 @@ def grpo_loss(
         branch = ppo_clip_branch(r.detach(), a, cfg.eps_low, cfg.eps_high)
         c_low = int((ok & (branch == CLIPPED_LOW)).sum())
         c_high = int((ok & (branch == CLIPPED_HIGH)).sum())
+        pos, neg = ok & (a > 0), ok & (a < 0)
+        # the coupled ratio p_theta / q on the same tokens, whatever ratio the loss uses
+        log_rc = torch.where(ok, lp.detach() - lq, zero)
+        branch_c = ppo_clip_branch(torch.exp(log_rc), a, cfg.eps_low, cfg.eps_high)
+        n_pos, n_neg = int(pos.sum()), int(neg.sum())
         c64 = c_raw.double()
         stats = {
             "loss": float(loss.detach()),
@@ -396,6 +437,14 @@ def grpo_loss(
             "clip_frac": (c_low + c_high) / den,
             "clip_low_frac": c_low / den,
             "clip_high_frac": c_high / den,
+            "n_pos": float(n_pos),
+            "n_neg": float(n_neg),
+            "n_clip_pos": float(c_high),
+            "n_clip_neg": float(c_low),
+            "clip_pos_frac": c_high / n_pos if n_pos else float("nan"),
+            "clip_neg_frac": c_low / n_neg if n_neg else float("nan"),
+            "n_coupled_clip_pos": float(int((pos & (branch_c == CLIPPED_HIGH)).sum())),
+            "n_coupled_clip_neg": float(int((neg & (branch_c == CLIPPED_LOW)).sum())),
             "ratio_mean": _masked_stat(r.detach().double(), ok, "mean"),
             "ratio_min": _masked_stat(r.detach().double(), ok, "min"),
             "ratio_max": _masked_stat(r.detach().double(), ok, "max"),

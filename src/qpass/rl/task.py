@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "DEFAULT_TEMPLATE",
+    "TEMPLATES",
     "ArithmeticConfig",
     "ArithmeticProblem",
     "ArithmeticTask",
@@ -52,6 +53,14 @@ DEFAULT_TEMPLATE = (
     "Think briefly, then give the final answer as an integer on the last line in the form\n"
     "Answer: <integer>"
 )
+
+#: Prompt templates by name (``qpass grpo --template``): ``default`` asks for brief reasoning and an
+#: ``Answer:`` line; ``terse`` asks for the integer alone (short responses, so a weak or heavily
+#: quantized policy ends on its answer more often; a calibration knob of the task, issue 13).
+TEMPLATES: dict[str, str] = {
+    "default": DEFAULT_TEMPLATE,
+    "terse": "Compute {expression}. Reply with the integer only.",
+}
 
 
 # --------------------------------------------------------------------------- problems

@@ -38,14 +38,16 @@ class GraphRolloutEngine(TorchRollout):
     Args:
         qg: rollout-side :class:`QGraph` of kind ``step``.
         pad_token_id, eos_token_id: tokenizer ids.
+        cuda_graphs: ``"off"`` (default) | ``"auto"`` | ``"on"``: the decode step under CUDA graphs
+            (:mod:`qpass.runtime.cuda_graph`; eager on CPU).
     Raises:
-        ValueError: ``qg`` is not a step graph.
+        ValueError: ``qg`` is not a step graph. QpassError: bad ``cuda_graphs``, or ``"on"`` off CUDA.
     """
 
     name = "qpass"
 
-    def __init__(self, qg: QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int]) -> None:
-        super().__init__(qg, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    def __init__(self, qg: QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int], cuda_graphs: str = "off") -> None:
+        super().__init__(qg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, cuda_graphs=cuda_graphs)
 
     @property
     def device(self) -> torch.device:

@@ -18,6 +18,7 @@ import torch
 
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
+from qpass.runtime.cuda_graph import DecodeGraph
 from qpass.runtime.prefill import left_pad, step_prefill_args
 from qpass.sampling import sampling_logprobs
 
@@ -53,9 +54,14 @@ class TorchRollout:
     Args:
         qg: rollout-side :class:`QGraph` of kind ``step`` (fixed batch size and cache length).
         pad_token_id, eos_token_id: tokenizer ids.
+        cuda_graphs: ``"off"`` (default), ``"auto"`` or ``"on"``: decode steps of ``generate`` and
+            ``replay`` through :class:`qpass.runtime.cuda_graph.DecodeGraph` (CUDA only; prefill
+            stays eager, its width varies). The tokens and log-probs are those of the eager path
+            (same kernels, same inputs).
     """
 
-    def __init__(self, qg: QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int]) -> None:
+    def __init__(self, qg: QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int],
+                 cuda_graphs: str = "off") -> None:
         if qg.kind != "step":
             raise ValueError(f"TorchRollout needs a step graph, got kind={qg.kind!r}")
         self.qg = qg
@@ -64,6 +70,7 @@ class TorchRollout:
         self.max_len = int(qg.captured.max_len)
         self.pad = int(pad_token_id)
         self.eos = torch.tensor(list(eos_token_id) if isinstance(eos_token_id, Sequence) else [eos_token_id])
+        self.decode = DecodeGraph(self.gm, mode=cuda_graphs, device=self._device())  # type: ignore[arg-type]
 
     def _device(self) -> torch.device:
         for t in self.gm.buffers():
@@ -119,7 +126,7 @@ class TorchRollout:
             if t == max_new_tokens - 1 or not bool(alive.any()):
                 break
             last_pos = last_pos + 1
-            logits = self.gm(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
+            logits = self.decode(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
         resp = torch.stack(out_tok, 1)
         valid = torch.stack(out_valid, 1)
         full_ids = torch.cat([ids, resp], 1)
@@ -180,6 +187,7 @@ class TorchRollout:
         if p + r_len > self.max_len:
             raise QpassError(f"prompt ({p}) + response ({r_len}) exceeds the KV cache ({self.max_len})")
         step = self.gm if step_fn is None else step_fn
+        decode = self.decode if step_fn is None else step_fn
         dev = self._device()
         b = self.batch_size
         rows = list(prompts) + [prompts[-1]] * (b - n)
@@ -204,6 +212,6 @@ class TorchRollout:
             if t == r_len - 1:
                 break
             last_pos = last_pos + 1
-            logits = step(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
+            logits = decode(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
         logq = torch.stack(out_lp, 1).float()[:n].cpu()
         return logq, alive_all[:n].cpu()

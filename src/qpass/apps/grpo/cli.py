@@ -55,6 +55,8 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     """The ``qpass grpo`` argument parser (defaults read from :class:`GRPOConfig` / :class:`LossConfig`:
     one source of defaults)."""
     from qpass.apps.grpo.grpo import GRPOConfig
+    from qpass.rl.loss import CORRECTIONS, RATIO_MODES
+    from qpass.runtime.cuda_graph import CUDA_GRAPH_MODES
 
     D = GRPOConfig()  # noqa: N806
     L, C = D.loss, D.loss.correction  # noqa: N806
@@ -84,7 +86,18 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     add_rollout_engine(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
+    g.add_argument("--cuda-graphs", default=D.cuda_graphs, choices=list(CUDA_GRAPH_MODES),
+                   help="decode step of the rollout (and BF16 shadow) engine under CUDA graphs (CPU: always eager)")
     add_verbose(g)
+
+    g = ap.add_argument_group("long runs (checkpoint / resume)")
+    g.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="save the run's state to DIR/<recipe>.pt at the end of this command (and every --checkpoint-every steps)")
+    g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="also save every N steps (0: only at the end)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint-dir/<recipe>.pt where it exists (same flags; --steps is the run's total)")
+    g.add_argument("--segment-steps", type=_pos_int, default=None,
+                   help="run at most N steps in this command (chain commands with --resume)")
 
     g = ap.add_argument_group("sampling")
     g.add_argument("--prompts-per-step", type=_pos_int, default=D.prompts_per_step)
@@ -106,7 +119,10 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=_pos_int, default=D.micro_batch_size, help="rows per learner forward (default: batch size)")
 
     g = ap.add_argument_group("loss (SPEC §5)")
-    g.add_argument("--correction", default=C.kind, choices=["none", "tis", "mis"])
+    g.add_argument("--ratio", default=L.ratio, choices=list(RATIO_MODES),
+                   help="decoupled: r = p_theta/p_prox times a correction of p_prox/q; coupled: r = p_theta/q, no correction")
+    g.add_argument("--correction", default=C.kind, choices=list(CORRECTIONS),
+                   help="none: no importance weight; is: untruncated p_prox/q; tis: min(p_prox/q, cap); mis: masked outside [lo, hi]")
     g.add_argument("--tis-cap", type=_pos_float, default=C.cap)
     g.add_argument("--mis-lo", type=_nonneg_float, default=C.lo)
     g.add_argument("--mis-hi", type=_pos_float, default=C.hi)
@@ -119,8 +135,12 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g = ap.add_argument_group("task and reward")
     g.add_argument("--difficulty", type=int, default=2, choices=[1, 2, 3, 4],
                    help="task preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
+    g.add_argument("--operators", default=None,
+                   help="override the preset's operators, comma list of + - * (e.g. '+': addition only)")
+    g.add_argument("--template", default="default", choices=["default", "terse"],
+                   help="prompt template (qpass.rl.task.TEMPLATES): default asks for reasoning + 'Answer:', terse for the integer only")
     g.add_argument("--n-train", type=_pos_int, default=2000)
-    g.add_argument("--n-eval", type=_nonneg_int, default=200)
+    g.add_argument("--n-eval", type=_nonneg_int, default=500, help="held-out split size (eval uses --eval-prompts of it)")
     g.add_argument("--reward", default="exact", help="'exact', 'format' (exact + --format-weight for a well-formed "
                    "wrong answer) or MODULE:ATTR naming a callable (prompt_meta, response_text) -> float")
     g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
@@ -148,6 +168,9 @@ def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, type=Path, help="output image (PNG)")
     ap.add_argument("--metric", action="append", default=None,
                     help="a metrics key to plot (repeatable; default: gap/token/g_abs, gap/max_abs, reward/mean, eval/accuracy)")
+    ap.add_argument("--preset", default="default", choices=["default", "quads"],
+                    help="panel set: default (gap, max|d|, reward, eval) or quads (QUADS Fig. 1/6 curves + clip "
+                         "fraction per advantage sign + clip-branch disagreement); --metric overrides")
     ap.add_argument("--smooth", type=_pos_int, default=1, help="moving-average window")
     ap.add_argument("--title", default=None)
     add_verbose(ap)
@@ -209,7 +232,7 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
 
     try:
         corr = Correction(kind=a.correction, cap=a.tis_cap, lo=a.mis_lo, hi=a.mis_hi)
-        loss = LossConfig(eps_low=a.eps_low, eps_high=a.eps_high, correction=corr, agg=a.agg, beta=a.beta)
+        loss = LossConfig(eps_low=a.eps_low, eps_high=a.eps_high, ratio=a.ratio, correction=corr, agg=a.agg, beta=a.beta)
         return GRPOConfig(
             steps=steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_p=a.top_p, lr=a.lr, weight_decay=a.weight_decay,
@@ -219,7 +242,7 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
             shadow_weights=a.shadow_weights,
             diag_every=a.diag_every, eval_every=a.eval_every if a.n_eval else 0, eval_prompts=min(a.eval_prompts, a.n_eval),
             eval_max_new_tokens=a.eval_max_new_tokens, eval_temperature=a.eval_temperature, ess_cap=a.ess_cap,
-            initial_check=not a.no_initial_check, max_time_s=max_time_s,
+            initial_check=not a.no_initial_check, max_time_s=max_time_s, cuda_graphs=a.cuda_graphs,
         )
     except (ValueError, TypeError) as exc:
         raise CliError(str(exc)) from exc
@@ -234,12 +257,15 @@ def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
 
 
 def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: Any, dest: Path, steps: int,
-             max_time_s: float | None, argv: Sequence[str]) -> dict[str, Any]:
-    """Train one recipe into ``dest`` (atomically). Returns the summary."""
+             max_time_s: float | None, argv: Sequence[str], shadow: Any = None) -> dict[str, Any]:
+    """Train one recipe into ``dest`` (atomically), resuming from / saving to ``--checkpoint-dir``.
+    Returns the summary."""
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
     from qpass.atomic import atomic_dir
+    from qpass.diagnostics.collapse import collapse_summary
+    from qpass.rl.task import TEMPLATES
 
     cfg = _grpo_config(a, steps, max_time_s)
     out_dir = atomic_dir(dest, force=a.force, marker="summary.json", keep_partial=a.keep_partial)
@@ -251,7 +277,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
             config = {
                 "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
                 "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
-                "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "reward": a.reward,
+                "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "template": a.template, "reward": a.reward,
                 "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
             }
             write_json_atomic(tmp / "config.json", config)
@@ -268,20 +294,44 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 if engine is not None or rollout_eng is not None:
                     write_json_atomic(tmp / "config.json", config)
                 trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
-                                      shadow_base=pipe.base_step if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
+                                      shadow=shadow if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
-                                      learner_engine=engine, rollout_engine=rollout_eng)
-                res = trainer.run(progress=not a.no_progress)
-            last = res.rows[-1] if res.rows else {}
+                                      template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng)
+                ckpt = a.checkpoint_dir / f"{recipe.name}.pt" if a.checkpoint_dir is not None else None
+                resumed_from = 0
+                if a.resume and ckpt is not None and ckpt.exists():
+                    resumed_from = trainer.load_checkpoint(ckpt)
+                    print(f"qpass grpo: {recipe.name}: resumed at step {resumed_from} from {ckpt}", file=sys.stderr)
+                if resumed_from > steps:
+                    raise CliError(f"{recipe.name}: the checkpoint {ckpt} is at step {resumed_from}, the run has --steps {steps}")
+
+                def on_step(row: dict[str, Any]) -> None:
+                    if ckpt is not None and a.checkpoint_every and row["step"] % a.checkpoint_every == 0:
+                        trainer.save_checkpoint(ckpt)
+
+                if resumed_from == steps:  # already complete: rewrite the run directory from the checkpoint only
+                    from qpass.apps.grpo.grpo import GRPOResult
+
+                    res = GRPOResult([], trainer.initial or {}, {}, "completed", 0.0)
+                else:
+                    res = trainer.run(a.segment_steps, progress=not a.no_progress, on_step=on_step)
+                    if ckpt is not None:
+                        trainer.save_checkpoint(ckpt)
+            rows = trainer.history["metrics"]
+            last = rows[-1] if rows else {}
             keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
-                    "clip/frac", "reward/mean", "eval/accuracy", "parity/fp_ok", "parity/bitexact_ok", "vis/code_frac")
-            rows = res.rows
+                    "clip/frac", "clip/frac_pos", "clip/frac_neg", "reward/mean", "eval/accuracy", "parity/fp_ok",
+                    "parity/bitexact_ok", "vis/code_frac")
             summary = {
                 "recipe": recipe.name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
+                "resumed_from_step": resumed_from, "steps_this_command": len(res.rows), "checkpoint": str(ckpt) if ckpt else None,
                 "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
+                "collapse": collapse_summary(trainer.history["eval"], rows),
                 "last": {k: last.get(k) for k in keys},
                 "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
-                                                                                    "shadow_gap/token/g_abs", "clip/frac")},
+                                                                                    "shadow_gap/token/g_abs", "clip/frac",
+                                                                                    "clip/frac_pos", "clip/frac_neg",
+                                                                                    "loss/clip_pos_frac", "loss/clip_neg_frac")},
                 "reward_failures": trainer.reward.stats(),
                 "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
                 and all(r.get("parity/bitexact_ok", True) for r in rows)
@@ -293,6 +343,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
             write_json_atomic(tmp / "summary.json", summary)
             if not a.no_plots and rows:
                 plot_runs([tmp], tmp / "plots.png", title=f"GRPO {recipe.name}")
+                plot_runs([tmp], tmp / "quads_curves.png", title=f"GRPO {recipe.name}", preset="quads")
         return summary
     finally:
         if out_dir.kept is not None:
@@ -380,6 +431,8 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             except QpassError as exc:
                 raise CliError(f"--out: {exc}") from None
         reward = _load_reward(a.reward, a.format_weight)
+        if a.resume and a.checkpoint_dir is None:
+            raise CliError("--resume needs --checkpoint-dir")
         if a.device == "cuda":
             import torch
 
@@ -407,7 +460,7 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
     from qpass.ops import use_kernels
     from qpass.pipeline import DTYPES, Pipeline
     from qpass.apps.grpo.plots import plot_runs
-    from qpass.rl.task import DEFAULT_TEMPLATE, ArithmeticTask, difficulty_preset
+    from qpass.rl.task import TEMPLATES, ArithmeticTask, difficulty_preset
 
     if a.threads is not None:
         import torch
@@ -416,18 +469,29 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
     failed: list[str] = []
     try:
         try:
-            task = ArithmeticTask(difficulty_preset(a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed))
+            over = {"operators": tuple(a.operators.split(","))} if a.operators else {}
+            task = ArithmeticTask(difficulty_preset(a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed, **over))
         except ValueError as exc:
             raise CliError(f"task: {exc}") from exc
         lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
         _check_learner_model(a, lm.model.config)
-        need = _max_prompt_len(lm.tokenizer, task, DEFAULT_TEMPLATE) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
+        need = _max_prompt_len(lm.tokenizer, task, TEMPLATES[a.template]) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
         max_len = a.max_len or int(math.ceil(need / 16) * 16)
         if max_len < need:
             raise CliError(f"--max-len {max_len} is shorter than the longest prompt + max new tokens ({need})")
         batch = a.batch_size or min(a.prompts_per_step * a.group_size, 64)
         pipe = Pipeline.prepare(a.model, dtype=a.dtype, device=a.device, batch_size=batch, max_len=max_len, loaded=lm)
         summaries = {}
+        shadow = None
+        if not a.no_shadow:  # the BF16 shadow: the bf16 recipe's rollout engine, built once for every recipe
+            from qpass.recipe import load_recipe
+            from qpass.runtime.engine import make_rollout_engine
+
+            tok = lm.tokenizer
+            eos = tok.eos_token_id if isinstance(tok.eos_token_id, (list, tuple)) else [tok.eos_token_id]
+            shadow = make_rollout_engine("qpass", qg=pipe.build_side(load_recipe("bf16"), "rollout"),
+                                         pad_token_id=int(tok.pad_token_id), eos_token_id=[int(e) for e in eos],
+                                         cuda_graphs=a.cuda_graphs)
         with use_kernels(a.kernels):
             for i, recipe in enumerate(recipes):
                 budget = a.max_time_s
@@ -440,7 +504,8 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
                         continue
                     budget = share if budget is None else min(budget, share)
                 try:
-                    summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list)
+                    summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list,
+                                                      shadow)
                     s = summaries[recipe.name]
                     print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
                           f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
@@ -487,7 +552,7 @@ def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return _exit_code(exc)
     try:
-        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title)
+        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title, preset=a.preset)
     except (FileNotFoundError, ValueError) as exc:
         print(f"qpass grpo-plot: error: {exc}", file=sys.stderr)
         return 2

@@ -38,21 +38,26 @@ Row keys (``null`` = no data, e.g. no valid token):
   (:meth:`qpass.diagnostics.MismatchMetrics.to_dict`): ``gap/token/g_abs`` is ``G_abs`` (token
   mean), ``gap/resp/g_abs`` the response mean, ``gap/max_abs``, ``gap/{token,resp}/{k1,k3,ess_raw,
   ess_trunc}`` (truncation at ``ess_cap``), non-finite counts;
-* ``shadow_gap/...``: the same metrics of ``(q_bf16, q)``: the behaviour policy against the BF16
-  shadow (:class:`qpass.apps.grpo.probes.BF16Shadow`: the unquantized step graph in prefill mode with the
-  weights the learner computes with, by default), i.e. what the rollout-side quantization adds
-  beyond what the learner models, plus the prefill-versus-decode drift (the ``bf16`` recipe's value);
+* ``shadow_gap/...``: the same metrics of ``(q_bf16, q)``: the quantized rollout against a BF16
+  rollout engine (the trainer's ``shadow``, loaded with the learner's master weights by default,
+  see :mod:`qpass.apps.grpo.probes`) scoring the same sampled tokens through its own decode path:
+  what the rollout quantization does to the behaviour policy (exactly 0 for the ``bf16`` recipe);
+  ``prox_shadow_gap/...``: ``(p_prox, q_bf16)``, the learner against the BF16 rollout (engine drift
+  plus, for QAT learners, the weight quantization the learner models);
 * ``clip/...``: :func:`qpass.diagnostics.clip_branch_disagreement` of ``p_theta/q`` versus
-  ``p_theta/q_bf16`` at the start of the update (``p_theta = p_prox``: the ratios a PPO that uses
-  the behaviour log-probs as "old" would clip on its first minibatch), split by advantage sign;
-  ``clip_upd/frac*`` the same with ``p_theta`` from each token's last update forward;
+  ``p_theta/q_bf16`` over every forward of the update (``p_theta`` moves across minibatches and
+  epochs), split by advantage sign: how often quantizing the rollout flips the clip branch a
+  coupled PPO would take;
 * ``loss/...``, ``opt/...``: aggregated loss statistics (incl. ``loss/n_dropped``: tokens with a
-  non-finite log-ratio dropped under the loss's policy), gradient norm, parameter elements changed;
+  non-finite log-ratio dropped under the loss's policy; ``loss/ratio_min``/``max`` of the loss's
+  ratio; ``loss/clip_{pos,neg}_frac``: clipped fraction of ``A > 0`` / ``A < 0`` tokens over all
+  update forwards, ``loss/coupled_clip_{pos,neg}_frac`` the same for ``p_theta / q``), gradient
+  norm, parameter elements changed;
 * ``vis/...``: update visibility (canonical codes / scale bytes / global scales that the sync
   changed; ``vis/value_frac``: decoded values, on diagnostic steps);
 * ``parity/...``: sync counts, three-way fingerprint check, full bit-exact check when it ran;
 * ``layerwise/...`` (diagnostic steps): mean/max relative input mismatch over linear sites;
-* ``eval/...`` (eval steps): held-out exact-answer accuracy;
+* ``eval/...`` (eval steps): held-out exact-answer accuracy and its binomial standard error;
 * ``reward/...``, ``adv/...``, ``resp/...``, ``entropy/token_mean`` (of the proximal policy's
   sampling distribution at loss tokens), ``rollout/tokens_per_s``, ``time/...``.
 """
@@ -67,6 +72,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import pydantic
 import torch
 
 from qpass.diagnostics import clip_branch_disagreement, mismatch_metrics, update_visibility_groups
@@ -74,8 +80,8 @@ from qpass.graph.qgraph import QGraph
 from qpass.prompts import encode_chat
 from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches, response_logprobs
 from qpass.apps.grpo.jsonl import append_jsonl
-from qpass.rl.loss import LossConfig, correction_weights, group_advantages, grpo_loss
-from qpass.apps.grpo.probes import BF16Shadow, evaluate, layerwise_probe, layerwise_summary, prompt_batch
+from qpass.rl.loss import Correction, LossConfig, correction_weights, group_advantages, grpo_loss
+from qpass.apps.grpo.probes import evaluate, layerwise_probe, layerwise_summary, prompt_batch, score_sampled, shadow_weights
 from qpass.rl.task import DEFAULT_TEMPLATE, ArithmeticTask, RewardFn, SafeReward, exact_answer_reward, format_prompt, safe_reward
 from qpass.apps.grpo.weights import (
     MasterOptimizer,
@@ -91,12 +97,13 @@ log = logging.getLogger(__name__)
 __all__ = ["GRPOConfig", "GRPOResult", "GRPOTrainer"]
 
 
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    """Options of :class:`GRPOTrainer` (all validated; errors name the field).
+class GRPOConfig(pydantic.BaseModel):
+    """Options of :class:`GRPOTrainer` (pydantic, frozen; unknown keys and bad values are errors
+    naming the field; ``qpass grpo`` reads its defaults here).
 
     Attributes:
-        steps: GRPO steps :meth:`GRPOTrainer.run` takes by default (>= 1).
+        steps: total GRPO steps of the run (>= 1); :meth:`GRPOTrainer.run` continues a resumed run
+            up to this step.
         prompts_per_step, group_size: prompts per step and responses per prompt (``G >= 1``; G=1
             makes every advantage 0).
         max_new_tokens: response budget ``R`` (prompt + R must fit the rollout's KV cache).
@@ -105,106 +112,97 @@ class GRPOConfig:
         grad_clip: max global gradient L2 norm (None: no clipping).
         master_dtype: ``"fp32"`` (FP32 masters, BF16 written back) or ``"param"`` (step the graph
             parameters in their own dtype).
-        ppo_epochs, minibatches: passes over the step's data and optimizer steps per pass.
+        ppo_epochs, minibatches: passes over the step's data and optimizer steps per pass; with
+            ``ppo_epochs * minibatches > 1`` the learner moves between updates of one step, so the
+            PPO ratio leaves 1 and clipping can act.
         micro_batch_size: rows per learner forward (None: the rollout graph's batch size).
-        loss: :class:`qpass.rl.loss.LossConfig` (correction none/TIS/MIS, eps_low/high, beta,
-            token_mean/seq_mean, non-finite policy).
+        loss: :class:`qpass.rl.loss.LossConfig` (ratio decoupled/coupled, correction
+            none/is/tis/mis, eps_low/high, beta, token_mean/seq_mean, non-finite policy).
         mask_truncated: drop responses without EOS from the loss (their reward still counts in
             the group baseline).
         seed: seeds problem order and sampling.
         bitexact_every: full bit-exact parity check every N steps and on the last step (0: only on the
-            last step; default 10, which is also the CLI default: ``qpass grpo`` reads its defaults here).
+            last step).
         on_parity_failure: ``"raise"`` (:class:`qpass.errors.ParityError` after the row is
             written) or ``"warn"``.
-        shadow: score each batch with the BF16 shadow (clip-branch disagreement, shadow gap).
-        shadow_weights: the shadow's weights: ``"learner"`` (what the learner forward uses, i.e.
-            fake-quantized for QAT recipes) or ``"master"`` (BF16 masters); see
-            :meth:`qpass.apps.grpo.probes.BF16Shadow.sync`.
+        shadow: score every sampled batch with a BF16 rollout engine (the trainer's ``shadow``
+            argument) for the shadow gap and clip-branch disagreement.
+        shadow_weights: what the shadow engine is loaded with before each step: ``"master"`` (the
+            learner's master weights, i.e. a plain BF16 rollout of the policy being trained) or
+            ``"learner"`` (the weights the learner forward computes with: ``DQ(Q(W))`` at weight-QDQ
+            sites).
         diag_every: layer-wise probe and decoded-value visibility every N steps and on the last
             step; 0 = never.
         eval_every: held-out evaluation every N steps, before step 1 and on the last step; 0 = never.
-        eval_prompts: held-out problems per evaluation (<= the task's eval split).
+        eval_prompts: held-out problems per evaluation (<= the task's eval split). The default 400
+            bounds the binomial standard error ``sqrt(p (1 - p) / n)`` by 2.5 pp (at p = 0.5).
         eval_max_new_tokens: response budget for evaluation (None: ``max_new_tokens``).
         eval_temperature: 0 = greedy.
         ess_cap: truncation cap of ``ess_trunc``.
         initial_check: structural + bit-exact parity of the freshly built graphs before step 1.
         max_time_s: stop before a step that would end past this many seconds since :meth:`run`
             started (estimated from the previous step); None = no limit.
+        cuda_graphs: the built-in rollout engine's decode step under CUDA graphs: ``"auto"`` (on a
+            CUDA device, falling back to eager with the reason logged if capture fails), ``"on"``
+            (capture failure is an error), ``"off"``. Ignored on CPU.
     """
 
-    steps: int = 20
-    prompts_per_step: int = 8
-    group_size: int = 4
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    steps: int = pydantic.Field(20, ge=1)
+    prompts_per_step: int = pydantic.Field(8, ge=1)
+    group_size: int = pydantic.Field(4, ge=1)
+    max_new_tokens: int = pydantic.Field(48, ge=1)
+    temperature: float = pydantic.Field(1.0, gt=0, allow_inf_nan=False)
+    top_p: float = pydantic.Field(1.0, gt=0, le=1)
+    lr: float = pydantic.Field(1e-5, gt=0, allow_inf_nan=False)
+    weight_decay: float = pydantic.Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = pydantic.Field(1.0, gt=0)
     master_dtype: Literal["fp32", "param"] = "fp32"
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    micro_batch_size: int | None = None
-    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    ppo_epochs: int = pydantic.Field(1, ge=1)
+    minibatches: int = pydantic.Field(1, ge=1)
+    micro_batch_size: int | None = pydantic.Field(None, ge=1)
+    loss: LossConfig = pydantic.Field(default_factory=LossConfig)
     mask_truncated: bool = False
     seed: int = 0
-    bitexact_every: int = 10
+    bitexact_every: int = pydantic.Field(10, ge=0)
     on_parity_failure: Literal["raise", "warn"] = "raise"
     shadow: bool = True
-    shadow_weights: Literal["learner", "master"] = "learner"
-    diag_every: int = 5
-    eval_every: int = 5
-    eval_prompts: int = 32
-    eval_max_new_tokens: int | None = None
-    eval_temperature: float = 0.0
-    ess_cap: float = 2.0
+    shadow_weights: Literal["master", "learner"] = "master"
+    diag_every: int = pydantic.Field(5, ge=0)
+    eval_every: int = pydantic.Field(5, ge=0)
+    eval_prompts: int = pydantic.Field(400, ge=0)
+    eval_max_new_tokens: int | None = pydantic.Field(None, ge=1)
+    eval_temperature: float = pydantic.Field(0.0, ge=0)
+    ess_cap: float = pydantic.Field(2.0, gt=0)
     initial_check: bool = True
-    max_time_s: float | None = None
+    max_time_s: float | None = pydantic.Field(None, gt=0)
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
 
-    def __post_init__(self) -> None:
-        positive = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "minibatches")
-        for f in positive:
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"GRPOConfig.{f} must be an integer >= 1, got {v!r}")
-        for f in ("bitexact_every", "diag_every", "eval_every", "eval_prompts"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"GRPOConfig.{f} must be an integer >= 0, got {v!r}")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"GRPOConfig.micro_batch_size must be >= 1 or None, got {self.micro_batch_size}")
-        if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
-            raise ValueError(f"GRPOConfig.eval_max_new_tokens must be >= 1 or None, got {self.eval_max_new_tokens}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"GRPOConfig.temperature must be finite and > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"GRPOConfig.top_p must be in (0, 1], got {self.top_p}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"GRPOConfig.lr must be finite and > 0, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"GRPOConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"GRPOConfig.grad_clip must be > 0 or None, got {self.grad_clip}")
-        if self.master_dtype not in ("fp32", "param"):
-            raise ValueError(f"GRPOConfig.master_dtype must be 'fp32' or 'param', got {self.master_dtype!r}")
-        if self.shadow_weights not in ("learner", "master"):
-            raise ValueError(f"GRPOConfig.shadow_weights must be 'learner' or 'master', got {self.shadow_weights!r}")
-        if self.on_parity_failure not in ("raise", "warn"):
-            raise ValueError(f"GRPOConfig.on_parity_failure must be 'raise' or 'warn', got {self.on_parity_failure!r}")
-        if not self.eval_temperature >= 0:
-            raise ValueError(f"GRPOConfig.eval_temperature must be >= 0, got {self.eval_temperature}")
-        if not self.ess_cap > 0:
-            raise ValueError(f"GRPOConfig.ess_cap must be > 0, got {self.ess_cap}")
-        if self.max_time_s is not None and not self.max_time_s > 0:
-            raise ValueError(f"GRPOConfig.max_time_s must be > 0 or None, got {self.max_time_s}")
-        if not isinstance(self.loss, LossConfig):
-            raise TypeError(f"GRPOConfig.loss must be a LossConfig, got {type(self.loss).__name__}")
+    @pydantic.field_validator("loss", mode="before")
+    @classmethod
+    def _loss_type(cls, v: Any) -> Any:
+        if not isinstance(v, LossConfig):
+            raise TypeError(f"GRPOConfig.loss must be a LossConfig, got {type(v).__name__}")
+        return v
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the loss config and its correction nested)."""
-        return dataclasses.asdict(self)
+        d = self.model_dump(exclude={"loss"})
+        d["loss"] = dataclasses.asdict(self.loss)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GRPOConfig":
+        """Inverse of :meth:`to_dict` (e.g. a checkpoint's config). Raises: ValidationError, TypeError."""
+        d = dict(d)
+        loss = dict(d.pop("loss", {}))
+        corr = Correction(**loss.pop("correction", {}))
+        if "adam_betas" in d:
+            d["adam_betas"] = tuple(d["adam_betas"])
+        return cls(loss=LossConfig(correction=corr, **loss), **d)
 
 
 @dataclasses.dataclass
@@ -215,7 +213,8 @@ class GRPOResult:
         rows: one metric row per completed step (as written to the JSONL file).
         initial: checks before step 1 (structural / bit-exact parity, eval, layer-wise probe).
         final: checks after the last completed step that its row does not already hold.
-        stop_reason: ``"completed"`` or ``"time budget"``.
+        stop_reason: ``"completed"`` (step ``cfg.steps`` done), ``"segment"`` (the ``steps`` asked
+            of this call are done, the run goes on after a resume) or ``"time budget"``.
         wall_s: seconds inside :meth:`GRPOTrainer.run`.
     """
 
@@ -243,7 +242,8 @@ class _LossAgg:
 
     def __init__(self) -> None:
         self.tokens = 0.0
-        self.counts = dict.fromkeys(("n_dropped", "n_kl_dropped"), 0.0)
+        self.counts = dict.fromkeys(("n_dropped", "n_kl_dropped", "n_pos", "n_neg", "n_clip_pos", "n_clip_neg",
+                                     "n_coupled_clip_pos", "n_coupled_clip_neg"), 0.0)
         self.weighted = dict.fromkeys(("clip_frac", "clip_low_frac", "clip_high_frac"), 0.0)
         self.mb_losses: list[float] = []
         self.mb_pg: list[float] = []
@@ -292,6 +292,12 @@ class _LossAgg:
         }
         for k, v in self.counts.items():
             out[f"loss/{k}"] = v
+        c = self.counts
+        # per advantage sign, over every update forward: the loss's own ratio and the coupled p_theta / q
+        out["loss/clip_pos_frac"] = c["n_clip_pos"] / c["n_pos"] if c["n_pos"] else nan
+        out["loss/clip_neg_frac"] = c["n_clip_neg"] / c["n_neg"] if c["n_neg"] else nan
+        out["loss/coupled_clip_pos_frac"] = c["n_coupled_clip_pos"] / c["n_pos"] if c["n_pos"] else nan
+        out["loss/coupled_clip_neg_frac"] = c["n_coupled_clip_neg"] / c["n_neg"] if c["n_neg"] else nan
         for k, v in self.weighted.items():
             out[f"loss/{k}"] = v / self.tokens if self.tokens else nan
         steps = [o for o in self.opt if not o["skipped"]]
@@ -317,8 +323,10 @@ class GRPOTrainer:
         cfg: :class:`GRPOConfig`.
         reward_fn: plug-in :class:`qpass.rl.task.RewardFn` (default exact answer); wrapped with
             :func:`qpass.rl.task.safe_reward` unless it already is a :class:`SafeReward`.
-        shadow_base: the unquantized base step graph (``Pipeline.base_step``) for the BF16 shadow;
-            required when ``cfg.shadow``.
+        shadow: the BF16 shadow rollout engine (a :class:`qpass.runtime.RolloutEngine`, e.g. the
+            built-in engine of the ``bf16`` recipe's rollout graph; a step graph is wrapped with
+            :func:`qpass.runtime.as_rollout_engine`); required when ``cfg.shadow``. It must not be
+            the trainer's own rollout engine object.
         metrics_path, layerwise_path, eval_path: JSONL files to append to (None: not written).
         rollout_engine: a live :class:`qpass.runtime.RolloutEngine` (e.g. vLLM, ``--rollout-engine
             vllm``) that samples instead of the rollout graph; every sync updates it from the
@@ -338,7 +346,7 @@ class GRPOTrainer:
             engine's ``make_optimizer(MasterOptimizer, ...)`` when it has one (a sharded learner
             steps on every rank). ``loss.beta > 0`` is refused (no reference policy for it).
     Raises:
-        ValueError: bad graph kinds, no tokenizer ids, ``cfg.shadow`` without ``shadow_base``,
+        ValueError: bad graph kinds, no tokenizer ids, ``cfg.shadow`` without ``shadow``,
             ``minibatches`` larger than the number of micro-batches, or eval problems missing.
     """
 
@@ -351,7 +359,7 @@ class GRPOTrainer:
         cfg: GRPOConfig,
         *,
         reward_fn: RewardFn | None = None,
-        shadow_base: QGraph | None = None,
+        shadow: Any = None,
         metrics_path: str | Path | None = None,
         layerwise_path: str | Path | None = None,
         eval_path: str | Path | None = None,
@@ -360,7 +368,7 @@ class GRPOTrainer:
         learner_engine: Any = None,
         rollout_engine: Any = None,
     ) -> None:
-        from qpass.runtime.engine import make_learner_engine, make_rollout_engine
+        from qpass.runtime.engine import as_rollout_engine, make_learner_engine, make_rollout_engine
 
         self.cfg = cfg
         self.learner_qg, self.rollout_qg = learner, rollout
@@ -377,7 +385,8 @@ class GRPOTrainer:
             raise ValueError("GRPOConfig.loss.beta > 0 needs a reference policy, which an external learner engine "
                              f"({getattr(learner_engine, 'name', '?')}) does not provide here")
         self.le = learner_engine if self.external else make_learner_engine("qpass", qg=learner)
-        self.graph_ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids)
+        self.graph_ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids,
+                                           cuda_graphs=cfg.cuda_graphs)
         self.ro = rollout_engine if rollout_engine is not None else self.graph_ro
         self.pad = int(pad)
         self.micro = cfg.micro_batch_size or self.ro.batch_size
@@ -402,9 +411,11 @@ class GRPOTrainer:
             self.ref = make_learner_engine("qpass", qg=ref_qg)
         self.shadow = None
         if cfg.shadow:
-            if shadow_base is None:
-                raise ValueError("GRPOConfig.shadow=True needs shadow_base (the unquantized Pipeline.base_step)")
-            self.shadow = BF16Shadow(shadow_base)
+            if shadow is None:
+                raise ValueError("GRPOConfig.shadow=True needs a shadow rollout engine (e.g. the bf16 recipe's rollout)")
+            if isinstance(shadow, QGraph) and shadow is rollout:
+                raise ValueError("the shadow must be its own engine, not the trainer's rollout graph")
+            self.shadow = as_rollout_engine(shadow, pad_token_id=int(pad), eos_token_id=self.eos_ids)
         self.aligned = has_learner_qdq(learner) and bool(nvfp4_groups(rollout))
         self.snapshot = snapshot_rollout_constants(rollout)
         self.paths = {k: Path(v) if v is not None else None
@@ -413,6 +424,8 @@ class GRPOTrainer:
         self._prompt_cache: dict[str, list[int]] = {}
         self.step_idx = 0
         self._final_done = False
+        self.history: dict[str, list[dict[str, Any]]] = {"metrics": [], "eval": [], "layerwise": []}
+        self.initial: dict[str, Any] | None = None
         self._eval_set: tuple[list[dict], list[list[int]]] | None = None
         if cfg.eval_every and cfg.eval_prompts:
             probs = list(task.eval[: cfg.eval_prompts])
@@ -438,6 +451,7 @@ class GRPOTrainer:
         return out
 
     def _write(self, key: str, row: dict[str, Any]) -> None:
+        self.history[key].append(row)
         path = self.paths[key]
         if path is not None:
             append_jsonl(path, row)
@@ -570,10 +584,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ update
     def _update(self, exp: Experience, adv: torch.Tensor, lprox: torch.Tensor, lref: torch.Tensor | None,
-                micro: list[torch.Tensor], step: int) -> tuple[dict[str, float], torch.Tensor]:
+                micro: list[torch.Tensor], step: int) -> tuple[dict[str, float], list[tuple[torch.Tensor, torch.Tensor]]]:
         cfg = self.cfg
         agg = _LossAgg()
-        last_logp = lprox.clone()
+        forwards: list[tuple[torch.Tensor, torch.Tensor]] = []
         gen = torch.Generator().manual_seed(_seed(cfg.seed, step, 3) % (2**63))
         n_mb = len(micro)
         mask = exp.response_mask
@@ -606,7 +620,7 @@ class GRPOTrainer:
                     out.loss.backward()
                     did = True
                     agg.add(out.stats)
-                    last_logp[idx] = logp.detach()
+                    forwards.append((idx, logp.detach()))
                     if epoch == 0 and g == 0:
                         with torch.no_grad():
                             d = torch.where(sub.response_mask, (logp.detach() - lprox[idx]).abs(), torch.zeros_like(logp))
@@ -618,7 +632,26 @@ class GRPOTrainer:
         res = agg.result()
         res["check/first_minibatch_ratio_maxdev"] = first_dev if first_dev is not None else float("nan")
         res["check/first_minibatch_ratio_exact"] = (first_dev == 0.0) if first_dev is not None else None
-        return res, last_logp
+        return res, forwards
+
+    def _disagreement(self, forwards: list[tuple[torch.Tensor, torch.Tensor]], exp: Experience, adv: torch.Tensor,
+                      lshadow: torch.Tensor) -> Any:
+        """Clip-branch disagreement of ``p_theta / q`` vs ``p_theta / q_bf16`` over every update forward.
+
+        ``p_theta`` is the learner's log-prob of each token at each forward of the update (all
+        epochs and minibatches, a token counted once per forward); ``q`` the quantized rollout's,
+        ``q_bf16`` the BF16 shadow engine's, on the same tokens; split by advantage sign
+        (:func:`qpass.diagnostics.clip_branch_disagreement`, the loss's ``eps_low`` / ``eps_high``).
+        """
+        mask = exp.response_mask
+        if forwards:
+            idx = torch.cat([i for i, _ in forwards])
+            lp = torch.cat([l for _, l in forwards]).double()
+        else:  # no update ran: the ratios at p_theta = p_prox are not available; report on no tokens
+            idx = torch.zeros(0, dtype=torch.long, device=mask.device)
+            lp = torch.zeros(0, mask.shape[1], dtype=torch.float64, device=mask.device)
+        return clip_branch_disagreement(torch.exp(lp - exp.logq[idx].double()), torch.exp(lp - lshadow[idx].double()),
+                                        adv[idx], mask[idx], self.cfg.loss.eps_low, self.cfg.loss.eps_high)
 
     # ------------------------------------------------------------------ step
     def step(self, *, final: bool = False) -> dict[str, Any]:
@@ -645,7 +678,8 @@ class GRPOTrainer:
         exp, t_roll = self._sample(rows, s)
         n_sampled = int(exp.sampled_mask.sum())
         row.update({"time/rollout_s": t_roll, "rollout/n_tokens": n_sampled,
-                    "rollout/tokens_per_s": n_sampled / t_roll if t_roll > 0 else float("nan")})
+                    "rollout/tokens_per_s": n_sampled / t_roll if t_roll > 0 else float("nan"),
+                    "rollout/decode_graph": getattr(getattr(self.ro, "decode", None), "status", "n/a")})
 
         # 2. rewards and advantages
         texts = decode_responses(self.tokenizer, exp)
@@ -690,31 +724,25 @@ class GRPOTrainer:
             cbar, affected = correction_weights(c, cfg.loss.correction)
             row["corr/affected_frac"] = float((affected & mask).sum()) / n_valid if n_valid else float("nan")
 
-        # BF16 shadow of the behaviour policy
+        # BF16 shadow: a BF16 rollout engine scoring the same sampled tokens
         lshadow = None
         if self.shadow is not None:
             t0 = time.perf_counter()
-            self.shadow.sync(self.learner_qg, weights=cfg.shadow_weights)
-            lshadow = self.shadow.score(exp, temperature=cfg.temperature, top_p=cfg.top_p)
+            self.shadow.update_weights(shadow_weights(self.learner_qg, self.le.export_weights(), mode=cfg.shadow_weights))
+            lshadow = score_sampled(self.shadow, exp, self.ro.batch_size, temperature=cfg.temperature, top_p=cfg.top_p)
             row.update(mismatch_metrics(lshadow, exp.logq, mask, ess_cap=cfg.ess_cap).to_dict("shadow_gap/"))
-            dis = clip_branch_disagreement(torch.exp(lprox.double() - exp.logq.double()),
-                                           torch.exp(lprox.double() - lshadow.double()), adv, mask,
-                                           cfg.loss.eps_low, cfg.loss.eps_high)
-            row.update(dis.to_dict("clip/"))
+            row.update(mismatch_metrics(lprox, lshadow, mask, ess_cap=cfg.ess_cap).to_dict("prox_shadow_gap/"))
             row["time/shadow_s"] = time.perf_counter() - t0
 
         # 4. update
         t0 = time.perf_counter()
-        upd, last_logp = self._update(exp, adv, lprox, lref, micro, s)
+        upd, forwards = self._update(exp, adv, lprox, lref, micro, s)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         row.update(upd)
         row["time/update_s"] = time.perf_counter() - t0
         if lshadow is not None:
-            du = clip_branch_disagreement(torch.exp(last_logp.double() - exp.logq.double()),
-                                          torch.exp(last_logp.double() - lshadow.double()), adv, mask,
-                                          cfg.loss.eps_low, cfg.loss.eps_high)
-            row.update({"clip_upd/frac": du.frac, "clip_upd/frac_pos": du.frac_pos, "clip_upd/frac_neg": du.frac_neg})
+            row.update(self._disagreement(forwards, exp, adv, lshadow).to_dict("clip/"))
 
         # 5. sync and verify
         t0 = time.perf_counter()
@@ -786,27 +814,51 @@ class GRPOTrainer:
         return None if chk.ok else f"{self.ro.name} engine serves other bytes than qpass's quantizer: {chk.mismatches[:3]}"
 
     # ------------------------------------------------------------------ run
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """:func:`qpass.apps.grpo.checkpoint.save_checkpoint` of this trainer."""
+        from qpass.apps.grpo.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """:func:`qpass.apps.grpo.checkpoint.load_checkpoint` into this trainer; returns the step restored."""
+        from qpass.apps.grpo.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
     def run(self, steps: int | None = None, *, progress: bool = False,
             on_step: Callable[[dict[str, Any]], None] | None = None) -> GRPOResult:
-        """Initial checks, then ``steps`` (default ``cfg.steps``) GRPO steps; stops early on the time budget.
+        """Initial checks (on a fresh run), then GRPO steps up to ``cfg.steps``; stops early on the time budget.
+
+        A resumed trainer (:meth:`load_checkpoint`) continues at the step after the checkpoint and
+        skips the initial checks (their result is the checkpoint's). The step numbered ``cfg.steps``
+        is the final one (bit-exact check, eval, diagnostics forced).
 
         Args:
-            steps: number of steps (>= 1).
+            steps: at most this many steps in this call (>= 1; default: all remaining); a call
+                that stops before ``cfg.steps`` this way runs no final checks (the run goes on
+                after a resume), so a chained run's rows equal an unchained run's.
             progress: show a tqdm progress bar (stderr).
             on_step: called with each row after it is written.
         Raises:
-            ValueError: ``steps < 1``. ParityError: see :meth:`step`.
+            ValueError: ``steps < 1``, or the run is already complete. ParityError: see :meth:`step`.
         """
         from tqdm.auto import tqdm
 
-        n = self.cfg.steps if steps is None else int(steps)
+        remaining = self.cfg.steps - self.step_idx
+        if remaining < 1:
+            raise ValueError(f"the run is complete: step {self.step_idx} of {self.cfg.steps}")
+        n = remaining if steps is None else int(steps)
         if n < 1:
             raise ValueError(f"steps must be >= 1, got {n}")
+        n = min(n, remaining)
         t_start = time.perf_counter()
         budget = self.cfg.max_time_s
-        initial = self.initial_checks()
+        if self.initial is None:
+            self.initial = self.initial_checks()
+        initial = self.initial
         rows: list[dict[str, Any]] = []
-        stop = "completed"
+        stop = "completed" if n == remaining else "segment"
         self._final_done = False
         bar = tqdm(total=n, disable=not progress, desc=f"grpo {self.recipe_name}".strip(), unit="step", dynamic_ncols=True)
         try:
@@ -817,17 +869,18 @@ class GRPOTrainer:
                     stop = "time budget"
                     break
                 # the step after which the budget would be spent is the final one (final checks in its row)
-                last = i == n - 1 or (budget is not None and prev is not None and elapsed + 2 * prev > budget)
+                over = budget is not None and prev is not None and elapsed + 2 * prev > budget
+                last = self.step_idx + 1 == self.cfg.steps or over
                 row = self.step(final=last)
                 rows.append(row)
                 bar.update(1)
                 bar.set_postfix({"reward": f"{row['reward/mean']:.3f}", "G_abs": f"{_num(row.get('gap/token/g_abs')):.4f}"})
                 if on_step is not None:
                     on_step(row)
-                if last and i < n - 1:
+                if over and i < n - 1:
                     stop = "time budget"
                     break
         finally:
             bar.close()
-        final = self.final_checks() if rows and not self._final_done else {}
+        final = self.final_checks() if rows and stop != "segment" and not self._final_done else {}
         return GRPOResult(rows, initial, final, stop, time.perf_counter() - t_start)

@@ -2,8 +2,14 @@
 
 A run directory (written by ``qpass grpo``) holds ``metrics.jsonl`` (one row per step),
 ``eval.jsonl`` (held-out accuracy, including step 0) and ``config.json`` (its ``recipe`` names the
-line). Default panels: the SPEC §4 gap ``G_abs`` of ``(p_prox, q)`` (token mean), ``max|d|``, the
-mean training reward and the held-out accuracy.
+line). Panel presets (:data:`PRESETS`, ``qpass grpo-plot --preset``):
+
+* ``default``: the SPEC §4 gap ``G_abs`` of ``(p_prox, q)`` (token mean), ``max|d|``, the mean
+  training reward and the held-out accuracy;
+* ``quads``: the curves of QUADS Fig. 1 / Fig. 6 (reward, held-out accuracy, ``G_abs``, ``max|d|``
+  vs step) plus the clip fraction per advantage sign of the loss's ratio and of the coupled ratio
+  ``p_theta / q`` over every update forward, and the clip-branch disagreement against the BF16
+  shadow engine per sign.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 from qpass.atomic import write_atomic
 from qpass.apps.grpo.jsonl import read_jsonl
 
-__all__ = ["DEFAULT_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
+__all__ = ["DEFAULT_PANELS", "PRESETS", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,22 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     Panel("reward/mean", "training reward (mean)"),
     Panel("eval/accuracy", "held-out accuracy"),
 )
+
+QUADS_PANELS: tuple[Panel, ...] = (
+    Panel("reward/mean", "training reward (mean)"),
+    Panel("eval/accuracy", "held-out accuracy (greedy, rollout engine)"),
+    Panel("gap/token/g_abs", "G_abs = mean |log p_prox - log q| (token mean)", log_y=True),
+    Panel("gap/max_abs", "max |log p_prox - log q|", log_y=True),
+    Panel("loss/clip_pos_frac", "clip fraction, A > 0 (loss ratio, all update forwards)"),
+    Panel("loss/clip_neg_frac", "clip fraction, A < 0 (loss ratio, all update forwards)"),
+    Panel("loss/coupled_clip_pos_frac", "clip fraction of p_theta / q, A > 0"),
+    Panel("loss/coupled_clip_neg_frac", "clip fraction of p_theta / q, A < 0"),
+    Panel("clip/frac_pos", "clip-branch disagreement vs BF16 shadow, A > 0"),
+    Panel("clip/frac_neg", "clip-branch disagreement vs BF16 shadow, A < 0"),
+)
+
+#: Named panel sets of :func:`plot_runs` (``qpass grpo-plot --preset``).
+PRESETS: dict[str, tuple[Panel, ...]] = {"default": DEFAULT_PANELS, "quads": QUADS_PANELS}
 
 
 @dataclasses.dataclass
@@ -99,31 +121,35 @@ def plot_runs(
     panels: Sequence[Panel] | Sequence[str] | None = None,
     smooth: int = 1,
     title: str | None = None,
+    preset: str = "default",
 ) -> Path:
     """Overlay the runs in ``run_dirs`` on one figure and save it atomically to ``out`` (PNG).
 
     Args:
         run_dirs: run directories (each with metrics.jsonl).
         out: output image path (extension picks the format).
-        panels: :class:`Panel` s or metric keys (default :data:`DEFAULT_PANELS`).
+        panels: :class:`Panel` s or metric keys (default: the ``preset``'s).
+        preset: a key of :data:`PRESETS` (used when ``panels`` is None).
         smooth: trailing moving-average window over steps (1 = raw).
         title: figure title.
     Returns:
         ``out`` as a Path.
     Raises:
-        ValueError: no run directories, or ``smooth < 1``.
+        ValueError: no run directories, ``smooth < 1`` or an unknown preset.
         FileNotFoundError: see :func:`load_run`.
     """
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
     if smooth < 1:
         raise ValueError(f"smooth must be >= 1, got {smooth}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown plot preset {preset!r}; presets: {sorted(PRESETS)}")
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    ps = [p if isinstance(p, Panel) else Panel(p, p) for p in (panels or DEFAULT_PANELS)]
+    ps = [p if isinstance(p, Panel) else Panel(p, p) for p in (panels or PRESETS[preset])]
     runs = [load_run(d) for d in run_dirs]
     ncol = 2 if len(ps) > 1 else 1
     nrow = math.ceil(len(ps) / ncol)

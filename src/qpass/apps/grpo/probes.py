@@ -1,22 +1,16 @@
 """Side computations of a GRPO step: BF16 shadow scoring, the layer-wise probe, held-out evaluation.
 
-**BF16 shadow** (for clip-branch disagreement, SPEC §4). The shadow is the *unquantized* captured
-step graph (``Pipeline.base_step`` cloned, no passes), refreshed from the learner before each use
-and run in **prefill mode**: every sampled sequence is fed in one call of the step graph and the
-log-probs of its response tokens are read off under the sampling distribution. Its weights are by
-default those the learner's forward computes with (``DQ(Q(W))`` at ``weight_qdq`` sites, the BF16
-master elsewhere), so it stands for "a BF16 rollout of the policy being trained";
-``weights="master"`` uses the BF16 masters everywhere (for QAT recipes that also differs from the
-learner by the weight quantization).
-
-Why the step graph and not the base scoring graph: the shadow stands for the rollout engine without
-quantization, so it runs the rollout's own code path (static-KV step graph, static batch, same
-attention/cache implementation); and for recipes whose learner is plain BF16 (bf16, naive_nvfp4,
-fp8_block) the scoring graph *is* the learner, so a scoring-graph shadow would equal ``p_prox`` and
-the shadow ratio would collapse into the PPO ratio itself. Why prefill and not a token-by-token
-decode replay: one forward per chunk instead of ``R``; the price is that the shadow contains the
-prefill-versus-decode engine drift, which the ``bf16`` recipe measures (its rollout *is* the BF16
-decode path, so its ``shadow_gap`` is exactly that drift).
+**BF16 shadow** (clip-branch disagreement, SPEC §4; the FP8 study's counterfactual "what would a
+BF16 rollout have given for these tokens"). The shadow is a *rollout engine* of its own
+(:class:`qpass.runtime.RolloutEngine`; ``qpass grpo`` builds the built-in engine from the ``bf16``
+recipe's rollout side through :func:`qpass.runtime.make_rollout_engine`, a vLLM engine plugs in the
+same way). Before each step it is loaded through :meth:`~qpass.runtime.RolloutEngine.update_weights`
+with :func:`shadow_weights` (the learner's master weights by default) and then scores the **same
+sampled tokens** the quantized rollout produced, teacher-forced through its own decode path
+(:meth:`~qpass.runtime.RolloutEngine.score`), in the chunks they were sampled in
+(:func:`score_sampled`). For the ``bf16`` recipe the shadow engine and the rollout engine run the
+same graph with the same weights and schedule, so ``q_bf16 == q`` bit for bit (the check that the
+shadow is what it says).
 
 **Layer-wise probe** (SPEC §4). A fixed batch of ``B`` prompt-only sequences is run through the
 learner scoring graph and through the rollout step graph in prefill mode with
@@ -30,6 +24,7 @@ exact-answer reward.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,82 +32,89 @@ import torch
 from qpass.diagnostics.capture import capture_linear_inputs
 from qpass.diagnostics.layerwise import SiteMismatch, layerwise_mismatch
 from qpass.graph.qgraph import QGraph
-from qpass.sampling import positions_from_mask, sampling_logprobs
-from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches
+from qpass.sampling import positions_from_mask
+from qpass.rl.experience import Experience, assemble, decode_responses
 from qpass.runtime.prefill import step_prefill_args
 from qpass.rl.task import exact_answer_reward
 
-__all__ = ["GREEDY_TOP_P", "BF16Shadow", "evaluate", "layerwise_probe", "layerwise_summary", "prompt_batch"]
+__all__ = ["GREEDY_TOP_P", "evaluate", "layerwise_probe", "layerwise_summary", "prompt_batch", "score_sampled",
+           "shadow_weights", "split_experience"]
 
 #: ``top_p`` that keeps exactly the most likely token (the first sorted token is always kept).
 GREEDY_TOP_P = 1e-9
 
 
-class BF16Shadow:
-    """The unquantized step graph, synced from the learner, scoring sampled sequences in prefill.
+@torch.no_grad()
+def shadow_weights(learner: QGraph, weights: dict[str, torch.Tensor], *, mode: str = "master") -> dict[str, torch.Tensor]:
+    """The weights a BF16 shadow engine is loaded with, by Hugging Face name.
 
     Args:
-        base_step: the captured step graph (``Pipeline.base_step``); it is cloned, never modified.
+        learner: the learner graph (its ``weight_qdq`` site records name the fake-quantized weights).
+        weights: the learner engine's :meth:`~qpass.runtime.LearnerEngine.export_weights` (master
+            weights, HF names, model dtype).
+        mode: ``"master"``: ``weights`` as given (a plain BF16 rollout of the trained model);
+            ``"learner"``: at every ``weight_qdq`` site ``DQ(Q(W))`` from ``qpass::nvfp4_qdq`` with
+            the learner's group amax (what the learner forward computes with), the rest as given.
+    Returns:
+        a new dict (the given tensors are not modified).
     Raises:
-        ValueError: ``base_step`` is not a step graph or already carries quantized sites.
+        ValueError: unknown ``mode``.
     """
+    from qpass import ops  # noqa: F401 - registers qpass::nvfp4_qdq / group_amax
+    from qpass.graph.capture import site_of
 
-    def __init__(self, base_step: QGraph) -> None:
-        if base_step.kind != "step":
-            raise ValueError(f"BF16Shadow needs the base step graph, got kind={base_step.kind!r}")
-        if base_step.quant:
-            raise ValueError("BF16Shadow needs an unquantized step graph; this one has quantized sites")
-        self.qg = base_step.clone("rollout")
-        self.batch_size = int(base_step.captured.batch_size)
-        self.max_len = int(base_step.captured.max_len)
+    if mode not in ("master", "learner"):
+        raise ValueError(f"shadow weights must be 'master' or 'learner', got {mode!r}")
+    out = dict(weights)
+    if mode == "master":
+        return out
+    lparams = dict(learner.gm.named_parameters(remove_duplicate=False))
+    amax: dict[str, torch.Tensor] = {}
+    for sid, rec in learner.quant.items():
+        if not rec.weight_fake_quant:
+            continue
+        gid = rec.group
+        if gid not in amax:
+            amax[gid] = torch.ops.qpass.group_amax([lparams[learner.quant[m].weight].detach() for m in rec.members])
+        out[site_of(rec.weight)] = torch.ops.qpass.nvfp4_qdq(lparams[rec.weight].detach(), amax[gid], sid)
+    return out
 
-    @torch.no_grad()
-    def sync(self, learner: QGraph, *, weights: str = "learner") -> int:
-        """Refresh the shadow's weights from the learner; returns the number of parameters set.
 
-        Args:
-            learner: the learner graph.
-            weights: ``"learner"``: the weights the learner's forward computes with (for
-                ``weight_qdq`` sites the fake-quantized ``DQ(Q(W))`` from ``qpass::nvfp4_qdq`` with
-                the learner's group amax; every other weight as is), so the shadow is "a BF16
-                rollout of the policy being trained"; ``"master"``: the BF16 master weights
-                (the literal unquantized model, which for QAT recipes also differs from the learner
-                by the weight quantization).
-        Raises:
-            ValueError: unknown ``weights``.
-        """
-        from qpass import ops  # noqa: F401 - registers qpass::nvfp4_qdq / group_amax
-        from qpass.runtime import sync_weights
+def split_experience(exp: Experience) -> tuple[list[list[int]], list[list[int]]]:
+    """``(prompts, responses)`` token lists per row of ``exp``: the real prompt tokens and the
+    sampled response tokens (``sampled_mask``), i.e. what the rollout engine was given and produced."""
+    p = exp.prompt_len
+    prompts, responses = [], []
+    for i in range(exp.n):
+        am = exp.attention_mask[i, :p].bool()
+        prompts.append(exp.input_ids[i, :p][am].tolist())
+        responses.append(exp.input_ids[i, p:][exp.sampled_mask[i]].tolist())
+    return prompts, responses
 
-        if weights not in ("learner", "master"):
-            raise ValueError(f"BF16Shadow.sync: weights must be 'learner' or 'master', got {weights!r}")
-        n = sync_weights(learner, self.qg).copied
-        if weights == "learner":
-            lparams = dict(learner.gm.named_parameters(remove_duplicate=False))
-            sparams = dict(self.qg.gm.named_parameters(remove_duplicate=False))
-            amax: dict[str, torch.Tensor] = {}
-            for sid, rec in learner.quant.items():
-                if not rec.weight_fake_quant:
-                    continue
-                gid = rec.group
-                if gid not in amax:
-                    amax[gid] = torch.ops.qpass.group_amax([lparams[learner.quant[m].weight].detach() for m in rec.members])
-                w = lparams[rec.weight].detach()
-                sparams[rec.weight].copy_(torch.ops.qpass.nvfp4_qdq(w, amax[gid], sid))
-        return n
 
-    @torch.no_grad()
-    def score(self, exp: Experience, *, temperature: float, top_p: float) -> torch.Tensor:
-        """float32 ``[N, R]`` shadow log-probs of the response tokens (meaningless off-mask)."""
-        p, r = exp.prompt_len, exp.response_width
-        out = []
-        for idx in micro_batches(exp.n, self.batch_size):
-            sub = exp.select(idx)
-            args = step_prefill_args(sub.input_ids, sub.attention_mask, batch_size=self.batch_size, max_len=self.max_len)
-            logits = self.qg.gm(*args)[: len(idx), p - 1:p - 1 + r]
-            lp = sampling_logprobs(logits, temperature, top_p)
-            out.append(lp.gather(-1, sub.input_ids[:, p:p + r].unsqueeze(-1)).squeeze(-1))
-        return torch.cat(out)
+@torch.no_grad()
+def score_sampled(engine: object, exp: Experience, chunk: int, *, temperature: float, top_p: float) -> torch.Tensor:
+    """float32 ``[N, R]`` log-probs of ``exp``'s sampled tokens under ``engine`` (0 off ``sampled_mask``).
+
+    Rows are scored in consecutive chunks of ``chunk`` rows (the chunks the rollout sampled in);
+    a chunk whose responses are all empty is skipped (zeros).
+
+    Args:
+        engine: a :class:`qpass.runtime.RolloutEngine` (``score``).
+        exp: the step's :class:`Experience`.
+        chunk: rows per ``score`` call (<= ``engine.batch_size``).
+    """
+    prompts, responses = split_experience(exp)
+    r = exp.response_width
+    out = torch.zeros(exp.n, r, dtype=torch.float32)
+    for start in range(0, exp.n, chunk):
+        rs = responses[start:start + chunk]
+        if not any(rs):
+            continue
+        lq, m = engine.score(prompts[start:start + chunk], rs, temperature=temperature, top_p=top_p)
+        w = lq.shape[1]
+        out[start:start + len(rs), :w] = torch.where(m, lq.float(), torch.zeros_like(lq, dtype=torch.float32))
+    return out.to(exp.logq.device)
 
 
 def prompt_batch(prompts: Sequence[Sequence[int]], n: int, *, pad_token_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +188,8 @@ def evaluate(
         temperature: 0 = greedy (``top_p = GREEDY_TOP_P``), else sampling at this temperature.
         seed: sampling seed (chunk ``i`` uses ``seed + i``).
     Returns:
-        ``accuracy`` (exact answer), ``len_mean`` (tokens), ``finished_frac``, ``n``.
+        ``accuracy`` (exact answer), ``stderr`` (its binomial standard error
+        ``sqrt(acc (1 - acc) / n)``), ``len_mean`` (tokens), ``finished_frac``, ``n``.
     Raises:
         ValueError: ``metas`` and ``prompts`` differ in length, or are empty.
     """
@@ -203,6 +206,7 @@ def evaluate(
     correct = [exact_answer_reward(m, t) >= 1.0 for m, t in zip(metas, texts)]
     return {
         "accuracy": sum(correct) / len(correct),
+        "stderr": math.sqrt((sum(correct) / len(correct)) * (1 - sum(correct) / len(correct)) / len(correct)),
         "len_mean": float(exp.sampled_mask.sum(-1).float().mean()),
         "finished_frac": float(exp.finished.float().mean()),
         "n": float(len(correct)),

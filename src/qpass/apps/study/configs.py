@@ -19,7 +19,16 @@ configuration      learner (recipe: side)               rollout (recipe: side)
 ``w16a4``                                               ``w16a4_qdq`` (study): act_qdq
 ``w4a4``                                                ``naive_nvfp4``: w4a4_lower (act nvfp4)
 ``rac_*``                                               ``quads_nvfp4`` + ratio/mode/selection
+``a_qdq_pt``       ``w16a4_qdq_per_token`` (study)
+``wa_qdq_pt``      ``w4a4_qat_per_token`` (study)
+``w16a4_pt``                                            ``w16a4_qdq_per_token`` (study)
+``w4a4_pt``                                             ``w4a4_qat_per_token`` (study): act nvfp4_per_token
 =================  ===================================  ===================================
+
+The ``*_pt`` configurations are the per-token activation-scale controls of C2b and C4 (issue 13):
+with dynamic *per-tensor* scales, decode (a few rows of one token) and the learner (whole
+sequences) quantize the same token with different scales, which alone opens a gap; with per-token
+scales each token's quantization depends on that token only.
 """
 
 from __future__ import annotations
@@ -34,9 +43,11 @@ import yaml
 from qpass.errors import QpassError
 from qpass.recipe import Recipe, builtin_recipes, parse_recipe
 
-LEARNERS: dict[str, str] = {"bf16": "bf16", "w_qdq": "w4a16_qat", "a_qdq": "w16a4_qdq", "wa_qdq": "w4a4_qat"}
+LEARNERS: dict[str, str] = {"bf16": "bf16", "w_qdq": "w4a16_qat", "a_qdq": "w16a4_qdq", "wa_qdq": "w4a4_qat",
+                            "a_qdq_pt": "w16a4_qdq_per_token", "wa_qdq_pt": "w4a4_qat_per_token"}
 ROLLOUTS: dict[str, str] = {"bf16": "bf16", "bf16_fp32acc": "kernel_control", "w4a16": "w4a16_qat",
-                            "w16a4": "w16a4_qdq", "w4a4": "naive_nvfp4"}
+                            "w16a4": "w16a4_qdq", "w4a4": "naive_nvfp4", "w16a4_pt": "w16a4_qdq_per_token",
+                            "w4a4_pt": "w4a4_qat_per_token"}
 RAC_RECIPE = "quads_nvfp4"  # its residual_compensation entry is the one the RAC sweep overrides
 RAC_PASS = "residual_compensation"
 

@@ -324,7 +324,7 @@ class _Study:
         self.timings["sample_s"] = time.perf_counter() - t
         prog.done()
         decode_rec: lw.DecodeRecorder | None = None
-        for name in ("bf16", "bf16_fp32acc", "w4a16", "w16a4", "w4a4"):
+        for name in ("bf16", "bf16_fp32acc", "w4a16", "w16a4", "w4a4", "w16a4_pt", "w4a4_pt"):
             prog.step(f"replay {name}")
             t = time.perf_counter()
             if name not in graphs:
@@ -359,7 +359,7 @@ class _Study:
         """
         raw: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
         learner_bf16 = None
-        for name in ("bf16", "w_qdq", "a_qdq", "wa_qdq"):
+        for name in ("bf16", "w_qdq", "a_qdq", "wa_qdq", "a_qdq_pt", "wa_qdq_pt"):
             self.prog.step(f"learner {name}")
             t = time.perf_counter()
             recipe = study_recipe(LEARNERS[name], layers=self.cfg.layers)
@@ -557,6 +557,9 @@ def _pairs(ratios: tuple[float, ...], combos: list[tuple[str, str]]) -> dict[str
         "op_w16a4": ("bf16", "w16a4"),
         "op_w4a4": ("bf16", "w4a4"), "qdq_w4a16_wqdq": ("w_qdq", "w4a16"), "qdq_w16a4_aqdq": ("a_qdq", "w16a4"),
         "quads_k0": ("w_qdq", "w4a4"), "sym_w4a4_waqdq": ("wa_qdq", "w4a4"),
+        # per-token activation-scale controls of C2b / C4 (study configurations *_pt)
+        "op_w16a4_pt": ("bf16", "w16a4_pt"), "qdq_w16a4_aqdq_pt": ("a_qdq_pt", "w16a4_pt"),
+        "quads_k0_pt": ("w_qdq", "w4a4_pt"), "sym_w4a4_waqdq_pt": ("wa_qdq_pt", "w4a4_pt"),
     }
     if 0.0 in ratios:
         p["rac_k0"] = ("w_qdq", "w4a4")
@@ -573,7 +576,8 @@ def _comparison_list(ratios: tuple[float, ...], combos: list[tuple[str, str]]) -
     out = [("op_w16a4", "op_w4a16"), ("op_w4a16", "floor"), ("op_w4a16", "qdq_w4a16_wqdq"), ("qdq_w4a16_wqdq", "floor"),
            ("qdq_w4a16_wqdq", "floor_kernel"), ("floor_kernel", "floor"),
            ("op_w16a4", "qdq_w16a4_aqdq"), ("op_w4a4", "op_w16a4"), ("sym_w4a4_waqdq", "quads_k0"),
-           ("op_w4a4", "quads_ref"), ("quads_ref", "floor")]
+           ("op_w4a4", "quads_ref"), ("quads_ref", "floor"),
+           ("op_w16a4_pt", "qdq_w16a4_aqdq_pt"), ("sym_w4a4_waqdq_pt", "quads_k0_pt")]
     for m, s in combos:  # consecutive k, then k = 0 against the paper's 50% and against 100%
         prev = "rac_k0" if 0.0 in ratios else None
         for r in ratios:

@@ -1,0 +1,92 @@
+"""Step-0 reward of a rollout recipe per task difficulty (issue 13: calibrate the task so the W4A4
+rollout's step-0 reward is >= 0.15 on the default model).
+
+For each difficulty preset: the first ``--prompts`` training problems of the GRPO run (the same
+``train_batches`` stream ``qpass grpo`` draws step 1 from), ``--group-size`` samples each at
+temperature 1 from the recipe's rollout engine, exact-answer reward (the GRPO reward) averaged
+over all samples. Writes one JSON document (per preset: mean reward, its binomial standard error,
+correct count, finished fraction, seconds) to ``--out``.
+
+    python scripts/calibrate_task.py --recipe naive_nvfp4 --tasks 1,2:+,2 --prompts 8 --group-size 4 \
+        --out docs/results/grpo_long/calibration_naive_nvfp4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="naive_nvfp4")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--tasks", default="1,2", help="comma list of LEVEL or LEVEL:OPS (e.g. 2:+ = level 2 with + only)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--template", default="default", help="a key of qpass.rl.task.TEMPLATES")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--n-train", type=int, default=2000)
+    ap.add_argument("--n-eval", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from qpass.apps.grpo.grpo import _seed
+    from qpass.jsonio import write_json
+    from qpass.graph.model import load_model
+    from qpass.pipeline import Pipeline
+    from qpass.prompts import encode_chat
+    from qpass.recipe import load_recipe
+    from qpass.rl.experience import assemble, decode_responses
+    from qpass.rl.task import TEMPLATES, ArithmeticTask, difficulty_preset, exact_answer_reward, format_prompt
+    from qpass.runtime.engine import make_rollout_engine
+
+    lm = load_model(a.model)
+    tok = lm.tokenizer
+    eos = tok.eos_token_id if isinstance(tok.eos_token_id, list) else [tok.eos_token_id]
+    rows = a.prompts * a.group_size
+    results = {}
+    pipe = None
+    for spec in a.tasks.split(","):
+        level_s, _, ops = spec.partition(":")
+        level = int(level_s)
+        over = {"operators": tuple(ops)} if ops else {}
+        task = ArithmeticTask(difficulty_preset(level, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed, **over))
+        probs = next(task.train_batches(a.prompts, seed=_seed(a.seed, 1) % (2**31)))
+        prompts = encode_chat(tok, [format_prompt(p, TEMPLATES[a.template]) for p in probs])
+        max_len = int(math.ceil((max(len(p) for p in prompts) + a.max_new_tokens) / 16) * 16) + 16
+        if pipe is None or pipe.base_step.captured.max_len < max_len:
+            pipe = Pipeline.prepare(a.model, batch_size=rows, max_len=max_len, loaded=lm)
+            _, rollout = pipe.build(load_recipe(a.recipe))
+            ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(tok.pad_token_id), eos_token_id=eos)
+        t0 = time.perf_counter()
+        batch = ro.generate([p for p in prompts for _ in range(a.group_size)], max_new_tokens=a.max_new_tokens,
+                            temperature=a.temperature, top_p=1.0, seed=_seed(a.seed, 1, 0))
+        exp = assemble([batch], pad_token_id=ro.pad_token_id, eos_token_ids=ro.eos_token_ids, max_new_tokens=a.max_new_tokens)
+        texts = decode_responses(tok, exp)
+        metas = [p.meta for p in probs for _ in range(a.group_size)]
+        rewards = [exact_answer_reward(m, x) for m, x in zip(metas, texts)]
+        m = sum(rewards) / len(rewards)
+        results[spec] = {
+            "task": {k: v for k, v in vars(task.cfg).items()}, "reward_mean": m,
+            "reward_stderr": math.sqrt(m * (1 - m) / len(rewards)), "n_samples": len(rewards), "n_correct": sum(rewards),
+            "finished_frac": float(exp.finished.float().mean()), "seconds": time.perf_counter() - t0,
+            "examples": [{"expression": p.meta.get("expression"), "answer": p.meta.get("answer"), "response": x}
+                         for p, x in zip([p for p in probs for _ in range(a.group_size)][:4], texts[:4])],
+        }
+        print(spec, results[spec]["reward_mean"], flush=True)
+        write_json(a.out, {"argv": sys.argv[1:], "recipe": a.recipe, "model": lm.name, "prompts": a.prompts, "group_size": a.group_size,
+                           "max_new_tokens": a.max_new_tokens, "template": TEMPLATES[a.template], "temperature": a.temperature,
+                           "seed": a.seed, "results": results})  # after every task: a later failure keeps the earlier ones
+
+
+if __name__ == "__main__":
+    main()
