@@ -30,7 +30,8 @@ def test_one_tree_with_shared_flags():
     shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose"},
               "check": {"--threads", "--dtype", "-v", "--verbose"},
               "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose"},
-              "study": {"--threads", "--force", "-v", "--verbose"}}
+              "study": {"--threads", "--force", "-v", "--verbose"},
+              "bench": {"--threads", "-v", "--verbose"}}  # bench: parser in qpass.apps.bench (was none)
     for name, flags in shared.items():
         assert flags <= _options(sub.choices[name]), (name, flags - _options(sub.choices[name]))
     assert {"-v", "--verbose"} <= _options(sub.choices["grpo-plot"])
