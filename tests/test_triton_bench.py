@@ -82,7 +82,8 @@ def test_bench_without_triton_exits_2_with_the_install_hint():
 def test_bench_full_code_path_smoke_cpu(tmp_path):
     """The full-benchmark code path (sections, contenders, ratios, targets) at toy sizes on CPU."""
     out = tmp_path / "smoke.json"
-    assert bench.run(bench.BenchOptions(smoke=True, out=str(out), budget_s=120)) == 0
+    # budget far beyond the run: on a busy machine a 120 s budget skipped rows (wall clock, not a property of the code)
+    assert bench.run(bench.BenchOptions(smoke=True, out=str(out), budget_s=3600)) == 0
     data = json.loads(out.read_text())
     names = {r["name"] for r in data["rows"]}
     assert {"bf16 cuBLAS", "w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton",
