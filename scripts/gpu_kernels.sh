@@ -46,7 +46,7 @@ ELAPSED=$(( $(date +%s) - START ))
 BUDGET=$(( 480 - ELAPSED - 40 ))
 [ $BUDGET -gt 270 ] && BUDGET=270
 [ $BUDGET -lt 60 ] && BUDGET=60
-timeout -k 10 $(( BUDGET + 50 )) python3 -m qpass.backends.triton.bench --out "$OUT/bench.json" --budget-s "$BUDGET" > "$OUT/bench.log" 2>&1
+timeout -k 10 $(( BUDGET + 50 )) python3 -m qpass.apps.cli bench --out "$OUT/bench.json" --budget-s "$BUDGET" > "$OUT/bench.log" 2>&1
 RC_BENCH=$?
 tail -n 5 "$OUT/bench.log"
 [ $RC_BENCH -ne 0 ] && echo "!!! BENCHMARK FAILED, TIMED OUT OR RECORDED ERRORS (rc=$RC_BENCH) -- see bench.log / bench.md" | tee -a "$OUT/bench.log"

@@ -91,6 +91,53 @@ def test_corrupted_global_scale_fails_by_checksum_then_by_name(applied, tiny_pip
         f"rollout/weights.safetensors: {SITE}.weight_global_scale: 1/1 elements differ (first at ())"]
 
 
+def test_planted_block_scale_bit_is_named_by_site_group_and_position(applied, tiny_pipe, tmp_path):
+    """Was the second half of the real-model test in test_main_job (same code path: a rebuild with
+    ``checksums=False`` names the fused group, the site and the first differing element)."""
+    d = _copy(applied[2], tmp_path)
+    path = d / "rollout" / "weights.safetensors"
+    tensors = load_file(str(path))
+    raw = tensors[f"{SITE}.weight_scale"].view(torch.uint8)
+    raw[100, 3] ^= 0x01
+    save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["checksums_ok"] is False
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)
+    assert status == 1 and res["weights_bitexact"] is False
+    assert res["mismatched_groups"] == [SITE.replace("up_proj", "gate_up")]
+    assert any(f.startswith(f"{SITE}: 1/") and "(first at (100, 3))" in f for f in res["failures"])
+
+
+def test_check_rejects_missing_or_corrupt_artifacts_before_loading(applied, tiny_pipe, tmp_path, capsys):
+    """Moved from the real-model tier (test_main_job): the artifact checks do not depend on the model."""
+    from tests.conftest import copy_apply_output
+
+    d = copy_apply_output(applied[2], tmp_path / "copy", learner=False)
+    # the report lists a learner state that is not there
+    with pytest.raises(QpassError, match=r"learner state .*model.safetensors is missing"):
+        run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    rep = json.loads((d / "report.json").read_text())
+    del rep["artifacts"]["learner"]
+    del rep["artifacts"]["sha256"]["learner/model.safetensors"]
+    (d / "report.json").write_text(json.dumps(rep))
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert res["loaded"] == {"rollout_tensors": 4 * 14}
+    # bit-exact against the in-memory learner of the shared pipeline, which still holds the masters
+    assert status == 0 and res["weights_bitexact"] is True
+    weights = d / "rollout" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    with pytest.raises(QpassError, match="rollout weights .* is not a readable safetensors file"):
+        run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    weights.unlink()
+    capsys.readouterr()
+    assert cli_main(["check", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "rollout weights" in err and "is missing" in err
+    (d / "report.json").unlink()
+    with pytest.raises(QpassError, match="not a `qpass apply` output directory"):
+        run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+
+
 def test_flipped_learner_byte_found_by_checksum(applied, tmp_path, monkeypatch, capsys):
     from qpass.pipeline import Pipeline
 

@@ -31,7 +31,8 @@ def test_one_tree_with_shared_flags():
               "check": {"--threads", "--dtype", "-v", "--verbose", "--rollout-engine"},
               "export": {"--threads", "--force", "-v", "--verbose"},
               "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose", "--rollout-engine"},
-              "study": {"--threads", "--force", "-v", "--verbose", "--rollout-engine"}}
+              "study": {"--threads", "--force", "-v", "--verbose", "--rollout-engine"},
+              "bench": {"--threads", "-v", "--verbose"}}  # bench: parser in qpass.apps.bench (was none)
     for name, flags in shared.items():
         assert flags <= _options(sub.choices[name]), (name, flags - _options(sub.choices[name]))
     assert {"-v", "--verbose"} <= _options(sub.choices["grpo-plot"])

@@ -576,3 +576,6 @@ def test_e2e_quads_two_grpo_steps_default_model(default_pipeline, tmp_path):
     assert changed > 0
     moved = sum(int((tr.snapshot.nvfp4[s][0] != c).sum()) for s, c in codes0.items())
     assert moved > 0 and rows[0]["vis/code_frac"] + rows[1]["vis/code_frac"] > 0  # the rollout received the update
+    # (was also test_main_job::test_learner_step_changes_codes_and_resync_passes: one Adam step on the
+    # real model changes some but not all codes, and the re-synced rollout is bit-exact to the learner)
+    assert moved < sum(c.numel() for c in codes0.values())

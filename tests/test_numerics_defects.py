@@ -47,18 +47,86 @@ def test_parity_checker_compares_what_each_side_multiplies(fp32_pipeline, tiny_p
 
 
 # -------------------------------------------------------------------------------- fp16 overflow
+def _fp16_near_max():
+    """fp16 activations with 65504 (the fp16 max) in channel 0 and a weight whose rows 0 and 1 decode
+    to the unit vectors e_0, e_1: y[:, 0] is channel 0's operand, exactly."""
+    from qpass.quant.nvfp4 import nvfp4_quantize
+
+    x = torch.zeros(2, 32, dtype=torch.float16)
+    x[:, 0] = 65504.0
+    x[1, 17] = -60000.0
+    w = torch.zeros(16, 32)
+    w[0, 0] = w[1, 1] = 1.0
+    return x, nvfp4_quantize(w.bfloat16())
+
+
 def test_fp16_activation_near_fp16_max_stays_finite_in_the_row_parallel_w4a4_operand():
     from qpass.backends.sglang.plugin import activation_for_row_parallel
     from qpass.formats.spec import NVFP4_ACT
-    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
 
     x = torch.full((2, 32), 65504.0, dtype=torch.float16)
     x[:, 3] = -60000.0
     got = activation_for_row_parallel(x, "nvfp4", None, "s")
     assert bool(torch.isfinite(got).all())  # bf16 rounds 65504 up to 65536: an fp16 cast made it inf
-    assert torch.equal(got, nvfp4_dequantize(nvfp4_quantize(x, spec=NVFP4_ACT), torch.bfloat16).float())
-    xb = x.bfloat16()  # bf16 activations keep the bf16 operand
+    # the main op's operand (was the unsaturated bf16 decode, 65536): inside the fp16 range now
+    assert torch.equal(got, nvfp4_act_operand(nvfp4_quantize(x, spec=NVFP4_ACT)).float())
+    assert got[0, 0].item() == 65280.0 and got.to(torch.float16).isfinite().all()
+    xb = x.bfloat16()  # bf16 activations keep the bf16 operand, and its values are the plain bf16 decode
     assert activation_for_row_parallel(xb, "nvfp4", None, "s").dtype == torch.bfloat16
+    assert torch.equal(activation_for_row_parallel(xb, "nvfp4", None, "s"),
+                       nvfp4_dequantize(nvfp4_quantize(xb, spec=NVFP4_ACT), torch.bfloat16))
+
+
+def test_act_operand_limit_is_the_largest_bf16_inside_the_activation_range():
+    from qpass.quant.nvfp4 import act_operand_limit
+
+    assert act_operand_limit(torch.float16) == 65280.0  # bf16 0x477F; 65504 would round to 65536 = inf in fp16
+    bf16_max = torch.finfo(torch.bfloat16).max
+    assert act_operand_limit(torch.bfloat16) == act_operand_limit(torch.float32) == bf16_max
+
+
+@pytest.mark.parametrize("act", ["nvfp4", "nvfp4_per_token"])
+def test_fp16_activation_near_fp16_max_stays_finite_in_the_w4a4_op(act):
+    """``qpass::nvfp4_linear`` (reference): 65504 decoded to ~65504.0002, rounded to the bf16 operand
+    65536, times 1.0 gave y = 65536 = inf in fp16 (the fp16 model itself gives 65504). The operand
+    now saturates at 65280; RAC compensates the residual 224 exactly (65280 + 224 = 65504)."""
+    from qpass import ops  # noqa: F401 - registers torch.ops.qpass
+
+    x, q = _fp16_near_max()
+    plain = torch.ops.qpass.nvfp4_linear(x, q.codes, q.scales, q.s_dec, None, "s", act, 0.0, "masked", "batch", None)
+    assert plain.dtype == torch.float16 and bool(plain.isfinite().all())
+    assert plain[:, 0].tolist() == [65280.0, 65280.0]
+    for mode, sel in (("masked", "batch"), ("gathered", "token")):
+        rac = torch.ops.qpass.nvfp4_linear(x, q.codes, q.scales, q.s_dec, None, "s", act, 0.5, mode, sel, None)
+        assert rac[:, 0].tolist() == [65504.0, 65504.0], (mode, sel)
+    # bf16 activations: the operand is the plain bf16 decode (nothing saturates inside the bf16 range)
+    from qpass.formats.spec import NVFP4_ACT
+    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
+
+    xb = (torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 1e4).bfloat16()
+    qa = nvfp4_quantize(xb, spec=NVFP4_ACT)
+    assert torch.equal(nvfp4_act_operand(qa), nvfp4_dequantize(qa, torch.bfloat16))
+
+
+def test_fp16_activation_near_fp16_max_triton_kernels_match_the_reference(triton_backend):
+    """The Triton W4A4 kernels (interpreter on CPU) saturate the operand like the reference: same
+    output bits, plain and with RAC (masked: residual re-formed in the kernel; gathered: re-decoded
+    from the activation bytes), and the RAC operands equal ``rac_reference``'s."""
+    from qpass.backends.triton import rac_triton, w4a4_linear_triton
+    from qpass.formats.spec import NVFP4_ACT
+    from qpass.quant.linear import w4a4_linear_reference
+    from qpass.quant.rac import RACConfig, rac_reference
+
+    x, q = _fp16_near_max()
+    for rac in (None, RACConfig(0.5, "masked", "batch"), RACConfig(0.5, "gathered", "batch"), RACConfig(0.5, "gathered", "token")):
+        ref = w4a4_linear_reference(x, q, act_spec=NVFP4_ACT, rac=rac)
+        got = w4a4_linear_triton(x, q.codes, q.scales, q.s_dec, act_spec=NVFP4_ACT, rac=rac)
+        assert bool(got.isfinite().all()) and torch.equal(got, ref), rac
+        if rac is not None:
+            a, b = rac_triton(x, rac, NVFP4_ACT), rac_reference(x, rac, NVFP4_ACT)
+            assert a.x_hat.float().max().item() == 65280.0
+            assert torch.equal(a.x_hat, b.x_hat) and torch.equal(a.comp, b.comp), rac
 
 
 # -------------------------------------------------------------------------------- RAC ratio

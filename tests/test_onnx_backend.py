@@ -26,6 +26,7 @@ from qpass.backends.onnx import (  # noqa: E402
     weight_decode_model,
 )
 from qpass.backends.onnx.export import SiteLinear, emit_site_linear, sites_from_qgraph  # noqa: E402
+from qpass.formats.spec import NVFP4_WEIGHT  # noqa: E402
 from qpass.formats.spec import ALL_SPECS, FP8Spec, Granularity, spec_by_key  # noqa: E402
 from qpass.formats.spec import spec_by_key  # noqa: E402
 from qpass.tables import entry, reference_qdq, reference_quantize  # noqa: E402
@@ -306,7 +307,7 @@ def test_gathered_batch_and_static_rac_site_match_reference():
 
     cases = [(RACConfig(0.3, "gathered", "batch"), None), (RACConfig(0.25, "masked", "static"), static), (RACConfig(0.25, "gathered", "static"), static)]
     for rac, ch in cases:
-        s = SiteLinear("blk.proj", "nvfp4_linear", q, bias, "nvfp4", rac, ch)
+        s = SiteLinear("blk.proj", NVFP4_WEIGHT, q, bias, "nvfp4", rac, ch)
         ref = _nvfp4_linear_ref(x, q.codes, q.scales, q.s_dec, bias, "blk.proj", "nvfp4", rac.ratio, rac.mode, rac.selection, ch)
         for flavour, runtime in RUNS:
             if runtime == "onnxruntime" and not HAVE_ORT:
@@ -345,6 +346,62 @@ def test_export_writes_atomically_and_reads_back_from_artifacts(tiny_pipeline, t
     assert not os.path.exists(tmp_path / f".spec.onnx.tmp-{os.getpid()}")
 
 
+def test_export_dispatches_on_the_onnx_table_by_spec_type(tiny_pipeline, tmp_path, monkeypatch):
+    """The per-site export reads and emits every site through ``entry("onnx", spec).linear`` (was a
+    chain over kind strings that ignored the table): a wrapped entry sees every MXFP4 site, from the
+    graph and from saved artifacts, and a deleted entry is a KeyError naming the table and the spec."""
+    import dataclasses
+
+    from qpass.apps.artifacts import save_rollout
+    from qpass.backends.onnx.export import sites_from_artifacts
+    from qpass.formats.spec import MXFP4Spec
+    from qpass.recipe import parse_recipe
+    from qpass.tables import TABLES
+
+    text = f"name: mx\nrollout:\n{EXPORT_RECIPES['mxfp4']}"
+    _, rollout = tiny_pipeline.build(parse_recipe(text))
+    save_rollout(rollout, tmp_path / "art" / "rollout", text, {"recipe": "mx"})
+    rule = TABLES["onnx"][MXFP4Spec]
+    seen: list[str] = []
+
+    def spy(name):
+        fn = getattr(rule.linear, name)
+        return lambda *a, **k: seen.append(f"{name}:{a[0] if name != 'operands' else a[1].site}") or fn(*a, **k)
+
+    linear = dataclasses.replace(rule.linear, **{n: spy(n) for n in ("from_op_args", "from_checkpoint", "operands")})
+    monkeypatch.setitem(TABLES["onnx"], MXFP4Spec, dataclasses.replace(rule, linear=linear))
+    _, recs = rollout_sites_model(rollout, flavour="spec")
+    assert len(recs) == 14 and all(isinstance(s.spec, MXFP4Spec) and s.kind == "mxfp4_linear" for s in recs)
+    assert sorted(seen) == sorted([f"from_op_args:{s.site}" for s in recs] + [f"operands:{s.site}" for s in recs])
+    seen.clear()
+    assert [s.site for s in sites_from_artifacts(tmp_path / "art")] == sorted(s.site for s in recs)
+    assert seen == [f"from_checkpoint:{s}" for s in sorted(s.site for s in recs)]
+    monkeypatch.delitem(TABLES["onnx"], MXFP4Spec)
+    with pytest.raises(KeyError, match="table 'onnx' has no entry for spec mxfp4"):
+        rollout_sites_model(rollout, flavour="spec")
+
+
+def test_fp16_site_export_saturates_the_activation_operand_like_the_rollout_op():
+    """An fp16 model's W4A4 site at the fp16 max: the ONNX operand is bounded like ``nvfp4_act_operand``
+    (65280, not 65536), so the exported y equals ``qpass::nvfp4_linear`` bit for bit and is finite."""
+    from qpass.formats.spec import NVFP4_WEIGHT
+    from qpass.ops import _nvfp4_linear_ref
+    from qpass.quant.rac import RACConfig
+
+    x = torch.zeros(2, 32, dtype=torch.float16)
+    x[:, 0] = 65504.0
+    w = torch.zeros(16, 32)
+    w[0, 0] = 1.0
+    q = nvfp4_quantize(w.bfloat16())
+    for rac in (None, RACConfig(0.5, "masked", "batch")):
+        s = SiteLinear("p", NVFP4_WEIGHT, q, None, "nvfp4", rac)
+        ref = _nvfp4_linear_ref(x, q.codes, q.scales, q.s_dec, None, "p", "nvfp4", rac.ratio if rac else 0.0, "masked", "batch", None)
+        model, _ = rollout_sites_model([s], flavour="spec", dtype=torch.float16)
+        got = run_onnx(model, {"p.x": x})["p.y"]
+        assert got.dtype == torch.float16 and torch.equal(got, ref), rac
+        assert got[0, 0].item() == (65280.0 if rac is None else 65504.0)
+
+
 def test_emit_site_linear_rejects_unknown_activation_mode():
     from qpass.backends.onnx import GraphBuilder
     from qpass.errors import QpassError
@@ -353,7 +410,7 @@ def test_emit_site_linear_rejects_unknown_activation_mode():
     b = GraphBuilder("portable")
     x = b.add_input("x", onnx.TensorProto.FLOAT, ["t", 32])
     with pytest.raises(QpassError, match="site s has unknown NVFP4 activation mode 'int4'"):
-        emit_site_linear(b, SiteLinear("s", "nvfp4_linear", q, None, "int4"), x, elem_type=onnx.TensorProto.FLOAT, out_type=onnx.TensorProto.FLOAT)
+        emit_site_linear(b, SiteLinear("s", NVFP4_WEIGHT, q, None, "int4"), x, elem_type=onnx.TensorProto.FLOAT, out_type=onnx.TensorProto.FLOAT)
 
 
 def test_fp8_per_tensor_activation_granularity_is_supported():

@@ -174,7 +174,7 @@ def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote_k):
     import triton
 
     from qpass.backends.triton._loader import kernel_lib
-    from qpass.backends.triton.rac import rac_run
+    from qpass.quant.rac import rac_reference, scatter_gathered
 
     G = kernel_lib(torch.device("cpu")).nvfp4_gemm  # the interpreter's copy of the kernel module
 
@@ -183,24 +183,32 @@ def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote_k):
     w = nvfp4_quantize(torch.randn(n, k) * 0.05)
     wh = nvfp4_dequantize(w, torch.bfloat16).double()
     x = activations(m, k, torch.bfloat16)
-    ops = rac_run(x, RACConfig(0.5, mode, selection), NVFP4_ACT, outputs="gemm")
-    if ops.gather_idx is None:
-        comp = ops.comp.double()
+    # the GEMM operands as ``rac_run(..., outputs="gemm")`` hands them to the kernel, built from the
+    # reference (bit-identical to the Triton RAC kernels: test_triton_rac.py::test_rac_bit_identical;
+    # the interpreter's RAC kernels cost ~90% of this test's CPU time): x_hat; masked: dense comp;
+    # gathered/batch: comp [M, K'] + int32 column index; gathered/token: comp scattered to dense [M, K]
+    res = rac_reference(x, RACConfig(0.5, mode, selection), NVFP4_ACT)
+    x_hat, a2, gather_idx = res.x_hat, res.comp, None
+    if res.gather_index is not None and res.gather_index.dim() == 2:
+        a2 = scatter_gathered(res.comp, res.gather_index, k).to(torch.bfloat16)  # exact: disjoint bf16 values
+    elif res.gather_index is not None:
+        gather_idx = res.gather_index.to(torch.int32)
+    if gather_idx is None:
+        comp = a2.double()
     else:
         comp = torch.zeros(m, k, dtype=torch.float64)
-        gi = ops.gather_idx.long()
-        comp[:, gi[gi >= 0]] = ops.comp.double()[:, gi >= 0]
-    ref = ops.x_hat.double() @ wh.t() + comp @ wh.t()
+        gi = gather_idx.long()
+        comp[:, gi[gi >= 0]] = a2.double()[:, gi >= 0]
+    ref = x_hat.double() @ wh.t() + comp @ wh.t()
     out = torch.full((m, n), float("nan"))
     sdec = w.s_dec.reshape(1).float()
-    a2 = ops.comp
-    gidx = ops.gather_idx if ops.gather_idx is not None else sdec
+    gidx = gather_idx if gather_idx is not None else sdec
     bm, bn, bk, split, warps = (128, 128, 64, 1, 8) if tiles == "large" else (64, 64, 128, 2, 4)
     ws = torch.full((split, m, n), float("nan")) if split > 1 else sdec
     G._nvfp4_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        ops.x_hat, ops.x_hat.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec,
+        x_hat, x_hat.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec,
         a2, a2.stride(0), a2.shape[1], gidx, sdec, out, out.stride(0), ws, m, n, k, 256,
-        BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, SEG2=1 if ops.gather_idx is None else 2, A_F32=False,
+        BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, SEG2=1 if gather_idx is None else 2, A_F32=False,
         HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, PROMOTE_K=promote_k, num_warps=warps,
     )
     if split > 1:

@@ -26,12 +26,21 @@ def test_selfcheck_reports_a_gemm_error(monkeypatch):
         y = real(*args, **kwargs)
         return y * (1 + 1e-4)
 
+    class GemmChecksOnly(Report):
+        """Runs only the GEMM checks (the quantizer, RAC and decode checks pass in the test above and
+        do not call the patched kernel; skipping them halves this test's CPU time)."""
+
+        def run(self, name, fn):
+            if "GEMM" in name:
+                super().run(name, fn)
+
     monkeypatch.setattr(qt, "w4a4_linear_triton", off_by_1e4)
     torch.manual_seed(0)
-    rep = Report()
+    rep = GemmChecksOnly()
     checks(rep, torch.device("cpu"), big=64, tiny=True)
     by_name = {i["name"]: i for i in rep.items}
     gemm = [i for n, i in by_name.items() if n.startswith("W4A4 (+RAC) GEMM")]
     assert len(gemm) == 3 and not any(i["ok"] for i in gemm)
     assert "max rel err 1.00e-04" in gemm[0]["detail"]
     assert by_name["W4A16 bf16 GEMM N=K=64 vs fp64"]["ok"]
+    assert set(by_name) == {"W4A16 bf16 GEMM N=K=64 vs fp64", *(i["name"] for i in gemm)}

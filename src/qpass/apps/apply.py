@@ -204,7 +204,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
     """Per-site activation mismatch, the residual map of one RAC (or W4A4) site, the gap histogram."""
     from qpass.diagnostics.layerwise import residual_channel_map
     from qpass.formats.spec import NVFP4_ACT
-    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_quantize
     from qpass.quant.rac import channel_scores, rac_num_channels, topk_channels
     from qpass.apps.report import plot_activation_mismatch, plot_gap_histogram, plot_residual_heatmap
 
@@ -215,7 +215,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
     site = _pick_rac_site(rollout, ra)
     if site is not None:
         x = ra[site].to(torch.bfloat16)
-        x_hat = nvfp4_dequantize(nvfp4_quantize(x, spec=NVFP4_ACT), torch.bfloat16).float()
+        x_hat = nvfp4_act_operand(nvfp4_quantize(x, spec=NVFP4_ACT)).float()
         resid = x.float() - x_hat
         ch = None
         rac = rollout.quant[site].rac

@@ -85,7 +85,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("check", "qpass.apps.check:main_check", "qpass.apps.check:build_check_parser"),
     Command("export", "qpass.apps.export:main_export", "qpass.apps.export:build_export_parser"),
     Command("recipes", "qpass.apps.cli:_recipes"),
-    Command("bench", "qpass.backends.triton.bench:main"),  # its parser lives with the Triton backend (needs triton)
+    Command("bench", "qpass.apps.bench:main", "qpass.apps.bench:build_bench_parser"),  # implementation: qpass.backends.triton.bench
     Command("grpo", "qpass.apps.grpo.cli:grpo_main", "qpass.apps.grpo.cli:build_grpo_parser"),
     Command("grpo-plot", "qpass.apps.grpo.cli:grpo_plot_main", "qpass.apps.grpo.cli:build_plot_parser"),
     Command("study", "qpass.apps.study:main", "qpass.apps.study:build_parser"),

@@ -45,14 +45,15 @@ def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object
         x: ``[..., K/tp]`` bf16/fp16/fp32 activation slice.
         act: ``nvfp4`` (one global per tensor) or ``nvfp4_per_token`` (one per row).
     Returns:
-        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly (casting them
-        to fp16 would overflow near the fp16 max: 65504 rounds to 65536 in bf16, then to inf).
+        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly. The values are
+        ``nvfp4_act_operand``'s (the operand of the main ``qpass::nvfp4_linear`` op): saturated to
+        the range of ``x.dtype``, so an fp16 activation at 65504 gives 65280, not 65536 (inf in fp16).
     """
-    from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
+    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_act_spec, nvfp4_quantize
 
     x2 = x.reshape(-1, x.shape[-1])
     q = nvfp4_quantize(x2, spec=nvfp4_act_spec(act == "nvfp4_per_token"), process_group=process_group, name="activation", site=site)
-    x_hat = nvfp4_dequantize(q, torch.bfloat16).reshape(x.shape)
+    x_hat = nvfp4_act_operand(q).reshape(x.shape)
     return x_hat if x.dtype == torch.bfloat16 else x_hat.float()
 
 

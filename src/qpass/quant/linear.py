@@ -3,7 +3,8 @@
 All variants dequantize operands with the SPEC §3 formula to bf16 and accumulate in float32:
 
 * W4A16:  ``y = X @ W_hat^T``                       X bf16 as given, ``W_hat = DQ(Q_W(W))``
-* W4A4:   ``y = X_hat @ W_hat^T``                   ``X_hat = DQ(Q_A(X))`` (dynamic global scale)
+* W4A4:   ``y = X_hat @ W_hat^T``                   ``X_hat = DQ(Q_A(X))`` (dynamic global scale), bf16
+  saturated to the activation dtype's range (``nvfp4_act_operand``: fp16 65504 -> 65280, not 65536 = inf)
 * W4A4 + RAC: ``y = X_hat @ W_hat^T + R_hat @ W_hat^T``  (two float32 accumulations; gathered mode
   uses the gathered columns of ``W_hat``), see :mod:`qpass.quant.rac`
 * W8A8 FP8 (block): ``y = DQ(Q8_A(X)) @ DQ(Q8_W(W))^T`` with float32 dequantized operands
@@ -23,7 +24,7 @@ import torch
 from qpass.errors import QuantizationError
 from qpass.formats.spec import FP8Spec, NVFP4Spec
 from qpass.quant.fp8 import FP8Tensor, fp8_dequantize, fp8_quantize
-from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.rac import RACConfig, rac_num_channels, rac_reference, scatter_gathered
 
 
@@ -84,7 +85,7 @@ def w4a4_linear_reference(
     wf = w_hat.float()
     if rac is None or rac_num_channels(x2.shape[-1], rac.ratio) == 0:
         qa = nvfp4_quantize(x2, spec=act_spec, name="activation", site=site)
-        acc = nvfp4_dequantize(qa, torch.bfloat16).float() @ wf.t()
+        acc = nvfp4_act_operand(qa).float() @ wf.t()
         return _finish(acc, bias, x.shape[:-1], x.dtype)
     res = rac_reference(x2, rac, act_spec, static_channels=static_channels, site=site)
     acc = res.x_hat.float() @ wf.t()

@@ -20,6 +20,7 @@ FlashInfer's exact mode; see ``prior-art/nvfp4_semantics.md`` §10.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -316,6 +317,45 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     out = (vals.reshape(*lead, k // BLOCK, BLOCK) * s).reshape(*lead, k)
     out = out * q.s_dec
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def act_operand_limit(act_dtype: torch.dtype) -> float:
+    """Largest bf16 value not above the finite range of ``act_dtype`` (and of bf16): the bound of a
+    W4A4 activation operand (:func:`nvfp4_act_operand`).
+
+    fp16: 65280 (``0x477F``; the bf16 neighbours of the fp16 max 65504 are 65280 and 65536, and
+    65536 is inf in fp16); bf16 and fp32: the bf16 max 3.3895e38 (``0x7F7F``).
+    """
+    lim = min(torch.finfo(act_dtype).max, torch.finfo(torch.bfloat16).max)
+    b = torch.tensor(lim, dtype=torch.float32).to(torch.bfloat16)
+    if float(b) > lim:  # RNE rounded up: take the bf16 value one below
+        b = (b.view(torch.int16) - 1).view(torch.bfloat16)
+    return float(b)
+
+
+def nvfp4_act_operand(q: NVFP4Tensor, act_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The bf16 activation operand of a W4A4 GEMM: ``to_bf16_rne(min(max(v, -L), L))`` with
+    ``v = fl(fl(e2m1(q) * s_b) * S_dec)`` and ``L = act_operand_limit(act_dtype)``.
+
+    The SPEC §3 decode rounded to bf16, saturated so that it never exceeds the finite range of the
+    activation dtype (``act_dtype``, default ``q.orig_dtype``): fp16 activations at 65504 decode to
+    ~65504.0002, which bf16 rounds to 65536 (inf in fp16), so a W4A4 output could overflow where the
+    fp16 model's does not; the operand is 65280 (the bf16 value below) instead. Clamping the float32
+    value before the one rounding equals rounding first and saturating after (``L`` is a bf16 value).
+    For bf16 and fp32 activations only values beyond the bf16 range change (``satfinite``, as the
+    E4M3 block scales).
+
+    Args:
+        q: a quantized activation ``[..., K]`` (``nvfp4_quantize(x, spec=NVFP4_ACT...)``).
+        act_dtype: dtype of the activation (default ``q.orig_dtype``).
+    Returns:
+        bf16 tensor of ``q.shape``.
+    Source: SPEC §3 dequant line + rule 5 (activations); same operand in ``qpass.quant.rac``, the
+    Triton kernels (``kernels/nvfp4_quant.py``, ``kernels/rac.py``) and the SGLang row-parallel path.
+    """
+    lim = act_operand_limit(act_dtype or q.orig_dtype)
+    return nvfp4_dequantize(q, torch.float32).clamp(-lim, lim).to(torch.bfloat16)
 
 
 def nvfp4_qdq_reference(x: torch.Tensor, amax: torch.Tensor | None = None, *, spec: NVFP4Spec = NVFP4_WEIGHT) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 
 from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4Spec
-from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
 
 RACMode = Literal["masked", "gathered"]
 RACSelection = Literal["batch", "token", "static"]
@@ -109,7 +109,7 @@ class RACResult:
     """Everything the two GEMM accumulations need, plus what diagnostics read.
 
     Attributes:
-        x_hat: bf16 [M, K] = DQ(Q_A(X)).
+        x_hat: bf16 [M, K] = DQ(Q_A(X)) (``nvfp4_act_operand``: saturated to the range of X's dtype).
         comp: bf16 compensation operand: [M, K] (masked, zeros outside S) or [M, K'] (gathered).
         channels: int64 selected channels: [k] (batch/static) or [M, k] (token), sorted ascending.
         gather_index: gathered mode only: int64 [K'] or [M, K'] channel index per compensation
@@ -154,7 +154,7 @@ def rac_reference(
         raise QuantizationError(f"rac_reference expects [M, K], got shape={tuple(x.shape)} at site {site}")
     m, k_dim = x.shape
     qa = nvfp4_quantize(x, spec=act_spec, name="activation", site=site)
-    x_hat = nvfp4_dequantize(qa, torch.bfloat16)
+    x_hat = nvfp4_act_operand(qa)  # bf16, saturated to x.dtype's range (the GEMM operand)
     r = x.float() - x_hat.float()
     k = rac_num_channels(k_dim, cfg.ratio)
     if cfg.selection == "static":

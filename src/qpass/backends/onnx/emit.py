@@ -143,7 +143,8 @@ def nvfp4_global_scales(b: GraphBuilder, amax: str) -> tuple[str, str]:
     return s_enc, s_dec
 
 
-def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: int, per_token: bool) -> str:
+def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: int, per_token: bool,
+                     operand_limit: float | None = None) -> str:
     """NVFP4 dynamic fake-quant of ``x`` ``[..., k]`` (any rank >= 1); returns ``x_hat`` of ``x``'s shape.
 
     Args:
@@ -152,6 +153,9 @@ def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: 
         dtype: element type of the result (bf16 reproduces the rollout linear's ``DQ(Q_A(x))``,
             the input type reproduces ``reference_qdq``).
         per_token: one global scale per row (all leading dims flattened) instead of per tensor.
+        operand_limit: the W4A4 GEMM operand's bound (``qpass.quant.nvfp4.act_operand_limit`` of
+            the activation dtype): ``Clip`` to it before the rounding (``nvfp4_act_operand``);
+            None: no clip (``reference_qdq``).
     Raises:
         QuantizationError: ``k`` is not a multiple of 16.
     Source: SPEC §3 / :func:`qpass.quant.nvfp4.quantize_with_amax`.
@@ -180,6 +184,8 @@ def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: 
     out = b.op("Mul", [vs, s_dec], "x_hat_blocks")
     out = _poison(b, xb, out, [1, 2] if per_token else None)
     out = b.op("Reshape", [out, b.op("Shape", [x], "x_shape")], "x_hat_f32")
+    if operand_limit is not None:
+        out = b.op("Clip", [out, b.f32(-operand_limit), b.f32(operand_limit)], "x_hat_sat")
     return round_to(b, out, dtype)
 
 

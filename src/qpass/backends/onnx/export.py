@@ -2,10 +2,12 @@
 
 For every quantized site the model has an input ``<site>.x`` ``[tokens, K]`` and an output
 ``<site>.y`` ``[tokens, N]`` computing exactly what the rollout op computes
-(:mod:`qpass.quant.linear`): weight decode from the stored bytes (``onnx_lower`` of the weight
-spec), the activation's dynamic fake-quant (``onnx_lower`` of the activation spec, plus RAC where
-the site has it), a float32 ``MatMul``, ``+ bias`` in float32 and one rounding to the model dtype.
-The only difference to the reference is the order of the float32 summation inside ``MatMul``.
+(:mod:`qpass.quant.linear`): weight decode from the stored bytes, the activation's dynamic
+fake-quant (plus RAC where the site has it), a float32 ``MatMul``, ``+ bias`` in float32 and one
+rounding to the model dtype. Every site is read and emitted by the ``onnx`` spec-table entry of
+its weight spec type (``entry("onnx", spec).linear``, :mod:`.linear`); a saved site's spec type is
+the ``export`` table format its tensor names match. The only difference to the reference is the
+order of the float32 summation inside ``MatMul``.
 
 Sources: a rollout :class:`~qpass.graph.qgraph.QGraph` (after ``w4a4_lower`` / ``w4a16_lower`` /
 ``fp8_lower`` / ``mxfp4_lower`` / ``residual_compensation``) or a ``qpass apply`` output directory
@@ -32,51 +34,14 @@ from onnx import TensorProto
 
 from qpass.atomic import write_atomic
 from qpass.errors import QpassError
-from qpass.formats.spec import FP8Spec, Granularity
-from qpass.quant.fp8 import FP8Tensor
-from qpass.quant.mxfp4 import MXFP4Tensor
-from qpass.quant.nvfp4 import NVFP4Tensor
-from qpass.quant.rac import RACConfig, rac_num_channels
+from qpass.tables import TABLES, entry
 
 from qpass.backends.onnx import emit
 from qpass.backends.onnx.builder import TORCH_TO_ONNX, GraphBuilder, check_flavour
-from qpass.backends.onnx.rac import emit_rac
+from qpass.backends.onnx.linear import SiteLinear
+from qpass.backends.onnx.table import onnx_linear
 
 F = TensorProto.FLOAT
-BF16 = TensorProto.BFLOAT16
-KINDS = ("nvfp4_linear", "fp8_linear", "mxfp4_linear")
-
-
-@dataclasses.dataclass
-class SiteLinear:
-    """One quantized rollout linear, everything its ONNX subgraph needs.
-
-    Attributes:
-        site: site id (``model.layers.0.mlp.down_proj``).
-        kind: ``nvfp4_linear`` | ``fp8_linear`` | ``mxfp4_linear``.
-        weight: the quantized weight (``NVFP4Tensor`` / ``FP8Tensor`` / ``MXFP4Tensor``), ``[N, K]``.
-        bias: ``[N]`` in the model dtype, or None.
-        act: NVFP4: ``none`` | ``nvfp4`` | ``nvfp4_per_token``; FP8: the activation granularity;
-            MXFP4: ``none``.
-        rac: residual compensation options (NVFP4 W4A4 only), or None.
-        rac_channels: int64 calibrated channels for ``selection='static'``.
-    """
-
-    site: str
-    kind: str
-    weight: Any
-    bias: torch.Tensor | None
-    act: str
-    rac: RACConfig | None = None
-    rac_channels: torch.Tensor | None = None
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[-1])
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,44 +57,45 @@ class ExportReport:
 
 # ------------------------------------------------------------------------------------ site sources
 def sites_from_qgraph(rollout: Any) -> list[SiteLinear]:
-    """Quantized sites of a rollout QGraph, read from its ``qpass::*_linear`` nodes and buffers."""
+    """Quantized sites of a rollout QGraph, read from their rollout op nodes (the op is the weight
+    spec's ``rollout_lower`` entry) by the ``onnx`` table entry of the spec type.
+
+    Raises:
+        QpassError: a lowered site whose op is not in the graph.
+        KeyError: a spec type without an ``onnx`` entry (names the table and the spec).
+    """
     from qpass.graph.opargs import op_args
-    from qpass.tables import entry
 
     out: list[SiteLinear] = []
     for sid, rec in rollout.quant.items():
-        kind = rec.kind
-        if kind not in KINDS or not rec.lowered:
+        if not rec.lowered or rec.spec is None:
             continue
+        lin = onnx_linear(rec.spec)
         target = entry("rollout_lower", rec.spec).op_overload()
         nodes = [n for n in rollout.nodes_of_site(sid) if n.target == target]
         if not nodes:
-            raise QpassError(f"ONNX export: site {sid} is recorded as {kind} but the graph has no such node")
-        a = op_args(nodes[0])
+            raise QpassError(f"ONNX export: site {sid} is recorded as {rec.kind} but the graph has no such node")
         buf = lambda node: None if node is None else (rollout.attr(str(node.target)) if isinstance(node, torch.fx.Node) else node)  # noqa: E731
-        bias = _detach(buf(a["bias"]))
-        if kind == "nvfp4_linear":
-            w = NVFP4Tensor.from_parts(buf(a["w_codes"]).detach(), buf(a["w_scales"]).detach(), buf(a["w_s_dec"]).detach())
-            rac = RACConfig(float(a["rac_ratio"]), a["rac_mode"], a["rac_selection"]) if float(a["rac_ratio"]) > 0 else None
-            ch = buf(a["rac_channels"])
-            out.append(SiteLinear(sid, kind, w, bias, a["act"], rac, None if ch is None else ch.detach()))
-        elif kind == "fp8_linear":
-            data, scale = buf(a["w_data"]).detach(), buf(a["w_scale"]).detach()
-            w = FP8Tensor(data, scale, data.shape, torch.bfloat16, rec.spec)
-            out.append(SiteLinear(sid, kind, w, bias, a["act_granularity"]))
-        else:
-            codes, scales = buf(a["w_codes"]).detach(), buf(a["w_scales"]).detach()
-            w = MXFP4Tensor(codes, scales, torch.Size((codes.shape[0], codes.shape[1] * 2)), torch.bfloat16)
-            out.append(SiteLinear(sid, kind, w, bias, "none"))
+        out.append(lin.from_op_args(sid, rec.spec, op_args(nodes[0]), buf))
     return out
 
 
-def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
+def _checkpoint_spec(site: str, names: set[str]) -> tuple[type, Any] | None:
+    """The spec type whose ``export`` format a saved site matches: every tensor name of the format
+    is present for ``site``; the format with the most names wins (NVFP4's four names contain
+    MXFP4's two). None: no quantized site (e.g. a bias or norm)."""
+    best = None
+    for spec_type, fmt in TABLES["export"].items():
+        if all(f"{site}.{suffix}" in names for suffix in fmt.names.values()):
+            if best is None or len(fmt.names) > len(best[1].names):
+                best = (spec_type, fmt)
+    return best
 
 
 def sites_from_artifacts(directory: str | Path) -> list[SiteLinear]:
-    """Quantized sites of a ``qpass apply`` output (``DIR`` or ``DIR/rollout``).
+    """Quantized sites of a ``qpass apply`` output (``DIR`` or ``DIR/rollout``): each site's tensors
+    are matched to a spec type by the ``export`` table's names and read by that type's ``onnx``
+    table entry, which takes the activation options from the recipe's rollout passes.
 
     Raises:
         QpassError: missing files, a site the recipe does not explain, or a static-RAC site
@@ -137,8 +103,10 @@ def sites_from_artifacts(directory: str | Path) -> list[SiteLinear]:
     """
     from safetensors.torch import load_file
 
+    from qpass.formats.spec import ALL_SPECS
     from qpass.graph.sites import _matches
     from qpass.recipe import parse_recipe
+    from qpass.tables import load_core
 
     d = Path(directory)
     if (d / "rollout").is_dir():
@@ -154,42 +122,29 @@ def sites_from_artifacts(directory: str | Path) -> list[SiteLinear]:
         biases = {k: v for k, v in load_file(str(lfile)).items() if k.endswith(".bias")}
     recipe = parse_recipe(rfile.read_text(), str(rfile))
 
-    def option_for(site: str, names: tuple[str, ...]) -> Any:
-        found = None
-        for p in recipe.rollout:
-            if p.name in names:
-                o = p.options
-                if any(_matches(site, t) for t in o.targets) and not any(_matches(site, e) for e in o.exclude):
-                    found = p
-        return found
+    def pass_for(site: str):
+        def find(names: tuple[str, ...]) -> Any:
+            found = None
+            for p in recipe.rollout:
+                if p.name in names:
+                    o = p.options
+                    if any(_matches(site, t) for t in o.targets) and not any(_matches(site, e) for e in o.exclude):
+                        found = p
+            return found
+        return find
 
+    load_core()
+    canonical = {type(s): s for s in ALL_SPECS if s.role == "weight"}  # the reader refines it (FP8 granularity)
+    names = set(tensors)
     out: list[SiteLinear] = []
-    sites = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")})
-    for sid in sites:
-        bias = biases.get(f"{sid}.bias")
-        if f"{sid}.weight_scale_2" in tensors:
-            w = NVFP4Tensor.from_parts(tensors[f"{sid}.weight"], tensors[f"{sid}.weight_scale"], tensors[f"{sid}.weight_scale_2"])
-            p = option_for(sid, ("w4a4_lower", "w4a16_lower"))
-            if p is None:
-                raise QpassError(f"ONNX export: no w4a4_lower/w4a16_lower pass of {rfile} targets NVFP4 site {sid}")
-            rp = option_for(sid, ("residual_compensation",)) if p.options.act != "none" else None
-            rac = None
-            if rp is not None and rac_num_channels(w.shape[-1], rp.options.ratio) > 0:
-                if rp.options.selection == "static":
-                    raise QpassError(f"ONNX export: site {sid} uses static RAC; its calibrated channels are not in {wfile} (export from the rollout graph instead)")
-                rac = RACConfig(rp.options.ratio, rp.options.mode, rp.options.selection)
-            out.append(SiteLinear(sid, "nvfp4_linear", w, bias, p.options.act, rac))
-        elif f"{sid}.weight_scale_inv" in tensors:
-            data, scale = tensors[f"{sid}.weight"], tensors[f"{sid}.weight_scale_inv"]
-            p = option_for(sid, ("fp8_lower",))
-            if p is None:
-                raise QpassError(f"ONNX export: no fp8_lower pass of {rfile} targets FP8 site {sid}")
-            g = Granularity(p.options.weight_granularity)
-            out.append(SiteLinear(sid, "fp8_linear", FP8Tensor(data, scale, data.shape, torch.bfloat16, FP8Spec(role="weight", granularity=g)), bias, p.options.act_granularity))
-        elif f"{sid}.weight_scale" in tensors:
-            codes, scales = tensors[f"{sid}.weight"], tensors[f"{sid}.weight_scale"]
-            w = MXFP4Tensor(codes, scales, torch.Size((codes.shape[0], codes.shape[1] * 2)), torch.bfloat16)
-            out.append(SiteLinear(sid, "mxfp4_linear", w, bias, "none"))
+    for sid in sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")}):
+        found = _checkpoint_spec(sid, names)
+        if found is None:
+            continue
+        spec_type, fmt = found
+        spec = canonical[spec_type]
+        consts = {c: tensors[f"{sid}.{suffix}"] for c, suffix in fmt.names.items()}
+        out.append(onnx_linear(spec).from_checkpoint(sid, spec, consts, biases.get(f"{sid}.bias"), pass_for(sid), str(rfile)))
     if not out:
         raise QpassError(f"ONNX export: {wfile} holds no quantized site")
     return out
@@ -197,40 +152,18 @@ def sites_from_artifacts(directory: str | Path) -> list[SiteLinear]:
 
 # ------------------------------------------------------------------------------------ graph
 def emit_site_linear(b: GraphBuilder, s: SiteLinear, x: str, *, elem_type: int, out_type: int) -> str:
-    """Emit ``y = qpass.<kind>(x, ...)`` for one site; ``x`` is ``[tokens, K]`` of ``elem_type``.
+    """Emit ``y = <the site's rollout op>(x, ...)`` for one site; ``x`` is ``[tokens, K]`` of ``elem_type``.
 
+    The operands come from the ``onnx`` table entry of the site's weight spec type; the float32
+    ``MatMul`` (twice with RAC), ``+ bias`` and the one rounding are shared.
     Returns the output value (``out_type``: the model dtype rounding of the float32 accumulator).
     """
-    k = s.in_features
     xf = emit.to_float(b, x, elem_type)
-    comp = cols = None
-    if s.kind == "nvfp4_linear":
-        wf = b.op("Cast", [emit.nvfp4_weight(b, s.weight, s.site, dtype=BF16)], f"{s.site}.w_hat", to=F)
-        if s.act == "none":
-            xq = xf
-        elif s.rac is not None and (s.rac.selection == "static" or rac_num_channels(k, s.rac.ratio) > 0):
-            rv = emit_rac(b, xf, k, s.rac, per_token=s.act == "nvfp4_per_token", static_channels=s.rac_channels, site=s.site)
-            xq, comp, cols = rv.x_hat, rv.comp, rv.columns
-            if cols is not None:  # gathered columns of W_hat, zero for the K' - k padding columns
-                wg = b.op("Gather", [wf, cols], f"{s.site}.w_cols", axis=1)
-                ncols = b.op("Shape", [cols], f"{s.site}.n_cols")
-                pad = b.op("Sub", [b.i64([rv.k_pad]), ncols], f"{s.site}.n_pad")
-                pads = b.op("Concat", [b.i64([0, 0, 0]), pad], f"{s.site}.pads", axis=0)
-                cols = b.op("Pad", [wg, pads], f"{s.site}.w_cols_pad", mode="constant")
-        elif s.act in ("nvfp4", "nvfp4_per_token"):
-            xq = b.op("Cast", [emit.nvfp4_activation(b, xf, k, elem_type=F, dtype=BF16, per_token=s.act == "nvfp4_per_token")], f"{s.site}.x_hat", to=F)
-        else:
-            raise QpassError(f"ONNX export: site {s.site} has unknown NVFP4 activation mode {s.act!r}")
-    elif s.kind == "fp8_linear":
-        wf = emit.fp8_weight(b, s.weight, s.site, dtype=F)
-        xq = emit.fp8_activation(b, xf, k, elem_type=F, dtype=F, spec=FP8Spec(role="activation", granularity=Granularity(s.act)))
-    else:
-        wf = b.op("Cast", [emit.mxfp4_weight(b, s.weight, s.site, dtype=BF16)], f"{s.site}.w_hat", to=F)
-        xq = xf
-    acc = b.op("MatMul", [xq, b.op("Transpose", [wf], f"{s.site}.w_t", perm=[1, 0])], f"{s.site}.acc")
-    if comp is not None:
-        w2 = wf if cols is None else cols
-        acc = b.op("Add", [acc, b.op("MatMul", [comp, b.op("Transpose", [w2], f"{s.site}.w2_t", perm=[1, 0])], f"{s.site}.acc_comp")], f"{s.site}.acc_total")
+    ops = onnx_linear(s.spec).operands(b, s, xf, elem_type)
+    acc = b.op("MatMul", [ops.xq, b.op("Transpose", [ops.w], f"{s.site}.w_t", perm=[1, 0])], f"{s.site}.acc")
+    if ops.comp is not None:
+        w2 = ops.w if ops.cols is None else ops.cols
+        acc = b.op("Add", [acc, b.op("MatMul", [ops.comp, b.op("Transpose", [w2], f"{s.site}.w2_t", perm=[1, 0])], f"{s.site}.acc_comp")], f"{s.site}.acc_total")
     if s.bias is not None:
         bias = b.op("Cast", [b.torch_initializer(s.bias, f"{s.site}.bias")], f"{s.site}.bias_f", to=F)
         acc = b.op("Add", [acc, bias], f"{s.site}.acc_bias")

@@ -31,8 +31,9 @@ from qpass.atomic import write_atomic
 from qpass.errors import QpassError
 
 from qpass.backends.onnx import emit
-from qpass.backends.onnx.builder import TORCH_TO_ONNX, GraphBuilder, check_flavour
+from qpass.backends.onnx.builder import PORTABLE_OPSET, TORCH_TO_ONNX, GraphBuilder, check_flavour
 from qpass.backends.onnx.export import ExportReport, emit_site_linear, sites_from_qgraph
+from qpass.backends.onnx.table import onnx_lowering
 
 QPASS_DOMAIN = "qpass"
 
@@ -105,7 +106,9 @@ def rollout_graph_model(rollout: Any, *, flavour: str = "spec", dtype: torch.dty
     if getattr(rollout, "kind", None) != "scoring":
         raise QpassError(f"whole-graph ONNX export needs a scoring-kind rollout graph (see rollout_scoring_graph), got kind={getattr(rollout, 'kind', None)!r}")
     sites = {s.site: s for s in sites_from_qgraph(rollout)}
-    opset = emit.OPSET_E8M0 if flavour == "spec" and any(s.kind == "mxfp4_linear" for s in sites.values()) else (emit.OPSET_FP4 if flavour == "spec" else 21)
+    # the highest opset any site's weight emitter needs (``onnx`` table; MXFP4's E8M0 scales: 24)
+    opset = max([emit.OPSET_FP4 if flavour == "spec" else PORTABLE_OPSET]
+                + [onnx_lowering(s.spec).opset[flavour] for s in sites.values()])
     args, dyn = _example_inputs(rollout.gm, 2, 5)
     prog = torch.onnx.export(rollout.gm, args, dynamic_shapes=dyn, dynamo=True, custom_translation_table=_placeholder_translations(),
                              optimize=False, verify=False, opset_version=opset)

@@ -102,13 +102,18 @@ def _topk(b: GraphBuilder, x: str, k: int, *, largest: int) -> tuple[str, str]:
 
 def emit_rac(
     b: GraphBuilder, x2: str, k_dim: int, cfg: RACConfig, *, per_token: bool, static_channels: torch.Tensor | None, site: str,
+    operand_limit: float | None = None,
 ) -> RACValues:
     """Quantize float32 activations ``x2`` ``[M, K]`` with residual compensation.
+
+    ``operand_limit``: bound of the activation operand ``x_hat`` (``act_operand_limit`` of the
+    activation dtype; the residual is formed from the bounded ``x_hat``, as in ``rac_reference``).
 
     Raises:
         ValueError: ``selection='static'`` without channels, or channels out of range (names ``site``).
     """
-    x_hat = b.op("Cast", [nvfp4_activation(b, x2, k_dim, elem_type=F, dtype=BF16, per_token=per_token)], "x_hat_f", to=F)
+    x_hat = b.op("Cast", [nvfp4_activation(b, x2, k_dim, elem_type=F, dtype=BF16, per_token=per_token,
+                                           operand_limit=operand_limit)], "x_hat_f", to=F)
     r = b.op("Sub", [x2, x_hat], "residual")
     k = rac_num_channels(k_dim, cfg.ratio)
     if cfg.selection == "static":

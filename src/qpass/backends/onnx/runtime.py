@@ -24,7 +24,7 @@ from onnx import TensorProto
 from qpass.formats.spec import spec_by_key
 
 from qpass.backends.onnx.builder import TORCH_TO_ONNX, GraphBuilder, check_flavour
-from qpass.backends.onnx.table import ONNX_LOWERINGS
+from qpass.backends.onnx.table import onnx_lowering
 
 RUNTIMES = ("reference", "onnxruntime")
 
@@ -52,7 +52,7 @@ def weight_decode_model(
         kw: extra emitter options (``pattern='double_dq'`` for NVFP4).
     """
     check_flavour(flavour)
-    entry = ONNX_LOWERINGS[key]
+    entry = onnx_lowering(spec_by_key(key))
     if entry.role != "weight":
         raise ValueError(f"{key} is an activation spec; use activation_qdq_model")
     io_dtype = io_dtype or default_io_dtype(flavour, dtype)
@@ -78,7 +78,7 @@ def activation_qdq_model(
     """
     check_flavour(flavour)
     spec_by_key(key)
-    entry = ONNX_LOWERINGS[key]
+    entry = onnx_lowering(spec_by_key(key))
     if entry.role != "activation":
         raise ValueError(f"{key} is a weight spec; use weight_decode_model")
     out_dtype = out_dtype or dtype

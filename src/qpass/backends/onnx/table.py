@@ -7,7 +7,10 @@ claims every canonical spec, so the completeness test covers them.
 * weight specs: ``entry(builder, q, name, dtype=...) -> value`` decodes a quantized weight ``q``
   (the object ``TABLES["reference"][key]`` returns) stored as initializers;
 * activation specs: ``entry(builder, x, k, elem_type=..., dtype=...) -> value`` emits the dynamic
-  fake-quant subgraph of input ``x`` ``[..., k]``.
+  fake-quant subgraph of input ``x`` ``[..., k]``;
+* ``entry("onnx", spec).linear`` (:func:`onnx_linear`): the rollout linear op of a weight spec type
+  (read a site from its op node or its checkpoint tensors, emit its GEMM operands), which the
+  exports dispatch on.
 
 ``opset[flavour]`` is the lowest opset the emitted nodes need in that flavour.
 """
@@ -24,6 +27,7 @@ from qpass.tables import entry, register
 
 from qpass.backends.onnx import emit
 from qpass.backends.onnx.builder import PORTABLE_OPSET, GraphBuilder
+from qpass.backends.onnx.linear import FP8_LINEAR, MXFP4_LINEAR, NVFP4_LINEAR, OnnxLinear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +54,11 @@ class OnnxLowering:
 
 @dataclasses.dataclass(frozen=True)
 class _OnnxRule:
-    """``onnx`` table entry of a spec type: ``build(spec) -> OnnxLowering``."""
+    """``onnx`` table entry of a spec type: ``build(spec) -> OnnxLowering`` (the per-spec emitter)
+    and ``linear`` (the rollout linear op of this weight spec type, :class:`~.linear.OnnxLinear`)."""
 
     build: Callable[[QuantSpec], OnnxLowering]
+    linear: OnnxLinear
 
     def __call__(self, spec: QuantSpec) -> OnnxLowering:
         return self.build(spec)
@@ -77,15 +83,25 @@ def _fp8(spec: FP8Spec) -> OnnxLowering:
     return OnnxLowering(spec.key, "activation", _FP8, functools.partial(emit.fp8_activation, spec=spec))
 
 
-register("onnx", NVFP4Spec, claim=True)(_OnnxRule(_nvfp4))
+register("onnx", NVFP4Spec, claim=True)(_OnnxRule(_nvfp4, NVFP4_LINEAR))
 register("onnx", MXFP4Spec, claim=True)(_OnnxRule(
-    lambda spec: OnnxLowering(spec.key, "weight", {"spec": emit.OPSET_E8M0, "portable": PORTABLE_OPSET}, emit.mxfp4_weight)))
-register("onnx", FP8Spec, claim=True)(_OnnxRule(_fp8))
+    lambda spec: OnnxLowering(spec.key, "weight", {"spec": emit.OPSET_E8M0, "portable": PORTABLE_OPSET}, emit.mxfp4_weight),
+    MXFP4_LINEAR))
+register("onnx", FP8Spec, claim=True)(_OnnxRule(_fp8, FP8_LINEAR))
 
 
 def onnx_lowering(spec: QuantSpec) -> OnnxLowering:
     """The ONNX emitter of ``spec`` (from the ``onnx`` spec table)."""
     return entry("onnx", spec)(spec)
+
+
+def onnx_linear(spec: QuantSpec) -> OnnxLinear:
+    """The ONNX lowering of weight spec ``spec``'s rollout linear op (from the ``onnx`` spec table).
+
+    Raises:
+        KeyError: no ``onnx`` entry for the spec's type (names the table and the spec).
+    """
+    return entry("onnx", spec).linear
 
 
 ONNX_LOWERINGS: dict[str, OnnxLowering] = {s.key: onnx_lowering(s) for s in ALL_SPECS}

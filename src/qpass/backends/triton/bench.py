@@ -21,13 +21,13 @@ recorded as skipped.
 
 ``--quick`` runs on CPU under the Triton interpreter: tiny shapes, correctness only, no timings.
 
-Usage: ``python -m qpass.backends.triton.bench [--quick] [--out PATH.json] [--budget-s S]`` (the markdown goes to
-``PATH.md`` beside the JSON and to stdout).
+Usage: ``qpass bench [--quick] [--out PATH.json] [--budget-s S] [--threads N] [-v]`` (the markdown goes to
+``PATH.md`` beside the JSON and to stdout); the command line lives in :mod:`qpass.apps.bench`, this
+module is its implementation (:class:`BenchOptions`, :func:`run`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import platform
@@ -755,23 +755,37 @@ def run_quick(args) -> Results:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry (``qpass bench``). Returns 0 when every measurement/check ran without error."""
-    ap = argparse.ArgumentParser(prog="qpass bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU interpreter, tiny shapes, correctness only (< 1 min)")
-    ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md)")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the full benchmark")
-    ap.add_argument("--seed", type=int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
-    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # full code path on CPU, toy sizes
-    args = ap.parse_args(argv)
-    SMOKE["on"] = bool(args.smoke)
-    if not args.quick and not args.smoke and not torch.cuda.is_available():
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """What one ``qpass bench`` run does (the CLI in :mod:`qpass.apps.bench` builds it; backends
+    never import the app layer).
+
+    Attributes:
+        quick: CPU interpreter, tiny shapes, correctness only.
+        out: JSON output path (a directory gets ``bench.json``); the markdown goes beside it as ``.md``.
+        budget_s: wall-clock budget of the full benchmark, seconds.
+        seed: torch seed of the ``quick`` inputs.
+        smoke: the full-benchmark code path on CPU at toy sizes (no timings).
+    """
+
+    quick: bool = False
+    out: str | None = None
+    budget_s: float = 300.0
+    seed: int = 0
+    smoke: bool = False
+
+
+def run(opts: BenchOptions) -> int:
+    """Run the benchmark ``opts`` asks for and write its outputs.
+
+    Returns:
+        0 when every measurement/check ran without error, 1 otherwise, 2 when the full benchmark is
+        asked for without a CUDA device.
+    """
+    SMOKE["on"] = bool(opts.smoke)
+    if not opts.quick and not opts.smoke and not torch.cuda.is_available():
         print("qpass bench: no CUDA device; use --quick for the CPU correctness run", file=sys.stderr)
         return 2
-    res = run_quick(args) if args.quick else run_full(args)
-    print(_save(res, args))
+    res = run_quick(opts) if opts.quick else run_full(opts)
+    print(_save(res, opts))
     return 1 if res.errors else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

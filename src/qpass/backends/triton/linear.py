@@ -21,7 +21,7 @@ import torch
 
 from qpass.errors import QuantizationError
 from qpass.formats.spec import FP8Spec, Granularity, NVFP4Spec
-from qpass.quant.nvfp4 import BLOCK
+from qpass.quant.nvfp4 import BLOCK, act_operand_limit
 from qpass.quant.rac import RACConfig, rac_num_channels
 from qpass.backends.triton._config import sync_checks_enabled
 from qpass.backends.triton._loader import kernel_lib
@@ -88,7 +88,8 @@ def w4a16_linear_triton(
 
 
 def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> torch.Tensor:
-    """bf16 ``x_hat = DQ(Q_A(x2))`` from one amax pass and one fused quantize-decode pass."""
+    """bf16 ``x_hat = DQ(Q_A(x2))`` (saturated like ``nvfp4_act_operand``) from one amax pass and one
+    fused quantize-decode pass."""
     per_row = act_spec.global_scope == "per_token"
     if per_row:
         amax, _ = amax_rows(x2, need_global=False)
@@ -99,7 +100,7 @@ def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> 
     if sync_checks_enabled(x2.device):
         raise_if_nonfinite(gbits, x2, "nvfp4_quantize", "activation", site)
     x_hat = torch.empty(x2.shape, dtype=torch.bfloat16, device=x2.device)
-    kernel_lib(x2.device).nvfp4_quant.launch_nvfp4_quant(x2, amax, per_row, xhat=x_hat)
+    kernel_lib(x2.device).nvfp4_quant.launch_nvfp4_quant(x2, amax, per_row, xhat=x_hat, xhat_lim=act_operand_limit(x2.dtype))
     return x_hat
 
 

@@ -23,7 +23,7 @@ import torch
 
 from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4Spec
-from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, act_operand_limit
 from qpass.quant.rac import RACConfig, RACResult, ceil16, rac_num_channels, topk_channels
 from qpass.backends.triton._config import sync_checks_enabled
 from qpass.backends.triton._loader import kernel_lib
@@ -97,6 +97,7 @@ def rac_run(
     lib = kernel_lib(dev)
     checks = sync_checks_enabled(dev)
     per_row = act_spec.global_scope == "per_token"
+    lim = act_operand_limit(x2.dtype)  # x_hat saturated to the activation dtype's range (nvfp4_act_operand)
     sel = cfg.selection
     gathered = cfg.mode == "gathered"
 
@@ -141,6 +142,7 @@ def rac_run(
     lib.nvfp4_quant.launch_nvfp4_quant(
         x2, amax_x, per_row, codes=qa_codes, scales=qa_scales, xhat=x_hat, s_enc=qa_senc, s_dec=qa_sdec,
         gamax_bits=gbits, log2m=_log2_ceil(m), scores=scores, rcolmax=rcolmax, rrowmax=rrowmax, rabs=rabs,
+        xhat_lim=lim,
     )
 
     # 3. selection (exact keys; stable sort: ties -> lower channel index)
@@ -164,7 +166,8 @@ def rac_run(
         qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
         qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
         lib.rac.launch_residual_masked(
-            x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec
+            x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec,
+            xhat_lim=lim,
         )
         gemm_comp, gidx = comp, None
         if want_bytes:
@@ -187,7 +190,7 @@ def rac_run(
         qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
         lib.rac.launch_residual_gathered(
             x2, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row,
-            codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec,
+            codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec, xhat_lim=lim,
         )
         gemm_comp, gidx = (dense, None) if dense is not None else (comp_g, idx)
         comp = comp_g

@@ -79,6 +79,18 @@ def to_bf16(f):
         return f.to(tl.bfloat16)
 
 
+# bf16 max (0x7F7F): the default bound of the W4A4 activation operand (bf16/fp32 activations)
+BF16_MAX = 3.3895313892515355e38
+
+
+@triton.jit
+def act_operand_bf16(xh, lim):
+    """W4A4 activation operand: bf16 RNE of the float32 decode ``xh`` saturated to ``[-lim, lim]``
+    (``lim`` a bf16 value: ``qpass.quant.nvfp4.act_operand_limit`` of the activation dtype, 65280
+    for fp16); equals ``qpass.quant.nvfp4.nvfp4_act_operand``."""
+    return to_bf16(tl.minimum(tl.maximum(xh, -lim), lim))
+
+
 @triton.jit
 def to_out(f, DTYPE: tl.constexpr):
     """float32 accumulator -> output dtype (one RNE rounding)."""

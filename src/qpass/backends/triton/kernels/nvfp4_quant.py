@@ -4,7 +4,8 @@ One program quantizes a ``[BM, BK]`` tile (``BK`` a multiple of 16) with the ari
 ``qpass.quant.nvfp4.nvfp4_quantize`` (same op order, ``tl.div_rn``, no FMA contraction) and can in
 the same pass:
 
-* write ``x_hat = bf16(fl(fl(e2m1 * s_b) * s_dec))`` (the W4A4 GEMM's activation operand),
+* write ``x_hat = bf16(clamp(fl(fl(e2m1 * s_b) * s_dec), -lim, lim))`` (the W4A4 GEMM's activation
+  operand, saturated to the activation dtype's range: ``qpass.quant.nvfp4.nvfp4_act_operand``),
 * form ``R = fl(float(x) - float(x_hat))`` and accumulate RAC statistics with integer atomics:
   exact fixed-point channel scores ``sum_i floor(fl(R^2) * 2^shift)`` (int64, ``qpass.quant.rac``),
   and the bit patterns of ``max|R|`` per channel and per row (int32 atomic max),
@@ -19,7 +20,9 @@ import triton
 import triton.language as tl
 
 from .common import (
+    BF16_MAX,
     INTERP,
+    act_operand_bf16,
     e4m3_byte,
     frexp_exp,
     nvfp4_block_scale,
@@ -31,7 +34,6 @@ from .common import (
     pow2_f32,
     rmax,
     rsum,
-    to_bf16,
 )
 
 
@@ -65,7 +67,7 @@ def load_global(amax_ptr, rows, rmask, BM: tl.constexpr, PER_ROW: tl.constexpr):
 @triton.jit
 def _nvfp4_quant_kernel(
     x_ptr, stride_xm, M, K,
-    amax_ptr,
+    amax_ptr, xhat_lim,
     codes_ptr, scales_ptr, xhat_ptr, senc_ptr, sdec_ptr,
     gamax_bits_ptr, log2m,
     scores_ptr, rcolmax_ptr, rrowmax_ptr, rabs_ptr, M_BUCKET,
@@ -114,7 +116,7 @@ def _nvfp4_quant_kernel(
                     tl.store(senc_ptr, rmax(tl.reshape(s_enc, (BM,)), 0))
                     tl.store(sdec_ptr, rmax(tl.reshape(s_dec, (BM,)), 0))
 
-        xh_bf = to_bf16(xh)
+        xh_bf = act_operand_bf16(xh, xhat_lim)
         if WRITE_XHAT:
             tl.store(xhat_ptr + rows64[:, None] * K + cols[None, :], xh_bf, mask=mask)
 
@@ -165,11 +167,13 @@ if not INTERP:
 
 def launch_nvfp4_quant(
     x, amax, per_row, *, codes=None, scales=None, xhat=None, s_enc=None, s_dec=None,
-    gamax_bits=None, log2m=0, scores=None, rcolmax=None, rrowmax=None, rabs=None,
+    gamax_bits=None, log2m=0, scores=None, rcolmax=None, rrowmax=None, rabs=None, xhat_lim=BF16_MAX,
 ):
     """Launch the quantization kernel over ``x [M, K]`` (row stride ``x.stride(0)``, unit column stride).
 
     Every output is optional (pass None to skip it); see the module docstring for their meaning.
+    ``xhat_lim``: bound of ``x_hat`` (and of the ``x_hat`` the residual statistics use), the
+    ``act_operand_limit`` of ``x``'s dtype (65280 for fp16; default: the bf16 max).
     ``scores``/``rcolmax``/``rrowmax`` must be zero-initialised (they are accumulated atomically).
     """
     import torch
@@ -179,7 +183,7 @@ def launch_nvfp4_quant(
     # unused atomic outputs get their own scratch word: the autotuner zeroes these arguments
     scratch = torch.zeros(1, dtype=torch.int64, device=x.device) if scores is None or rcolmax is None else None
     args = (
-        x, x.stride(0), m, k, amax,
+        x, x.stride(0), m, k, amax, float(xhat_lim),
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         xhat if xhat is not None else dummy,
         s_enc if s_enc is not None else dummy, s_dec if s_dec is not None else dummy,

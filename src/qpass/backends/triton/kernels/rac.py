@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from .common import (
+    BF16_MAX,
     INTERP,
+    act_operand_bf16,
     e4m3_byte,
     e4m3_value,
     nvfp4_decode_f32,
@@ -33,7 +35,7 @@ from .nvfp4_quant import load_global, nvfp4_quant_tile
 @triton.jit
 def _residual_masked_kernel(
     x_ptr, stride_xm, M, K,
-    amax_x_ptr, amax_r_ptr, mask_ptr,
+    amax_x_ptr, amax_r_ptr, mask_ptr, xhat_lim,
     codes_ptr, scales_ptr, comp_ptr, senc_ptr, sdec_ptr,
     M_BUCKET, BM: tl.constexpr, BK: tl.constexpr, ROW_ITERS: tl.constexpr, STAGES: tl.constexpr,
     PER_ROW: tl.constexpr, MASK_2D: tl.constexpr,
@@ -55,7 +57,7 @@ def _residual_masked_kernel(
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         _, xs_dec, xmult = load_global(amax_x_ptr, rows, rmask, BM, PER_ROW)
         _, _, xh = nvfp4_quant_tile(x, xs_dec, xmult, BM, BK)
-        r = x - to_bf16(xh).to(tl.float32)
+        r = x - act_operand_bf16(xh, xhat_lim).to(tl.float32)
         r = tl.where(mask, r, 0.0)
         rs_enc, rs_dec, rmult = load_global(amax_r_ptr, rows, rmask, BM, PER_ROW)
         codes, s_b, rh = nvfp4_quant_tile(r, rs_dec, rmult, BM, BK)
@@ -83,7 +85,7 @@ def _residual_masked_kernel(
 
 
 @triton.jit
-def _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx):
+def _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx, xhat_lim):
     """``R[rows, idx]`` float32 ``[BM, BKG]`` from x and the activation bytes (0 where idx < 0)."""
     valid = rmask[:, None] & (idx >= 0)
     c = tl.maximum(idx, 0)
@@ -91,7 +93,7 @@ def _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, r
     byte = tl.load(qa_codes_ptr + rows64[:, None] * (K // 2) + (c >> 1), mask=valid, other=0).to(tl.int32)
     code = (byte >> ((c & 1) * 4)) & 15
     sb = e4m3_value(tl.load(qa_scales_ptr + rows64[:, None] * (K // 16) + (c >> 4), mask=valid, other=0).to(tl.int32))
-    xh = to_bf16(nvfp4_decode_f32(code, sb, qs_dec)).to(tl.float32)
+    xh = act_operand_bf16(nvfp4_decode_f32(code, sb, qs_dec), xhat_lim).to(tl.float32)
     return tl.where(valid, xv - xh, 0.0)
 
 
@@ -109,7 +111,7 @@ def _load_idx(idx_ptr, rows64, rmask, t, KP, IDX_2D: tl.constexpr):
 def _residual_gathered_kernel(
     x_ptr, stride_xm, M, K, KP,
     qa_codes_ptr, qa_scales_ptr, qa_sdec_ptr,
-    idx_ptr, amax_g_ptr,
+    idx_ptr, amax_g_ptr, xhat_lim,
     codes_ptr, scales_ptr, comp_ptr, dense_ptr, senc_ptr, sdec_ptr,
     BM: tl.constexpr, BKG: tl.constexpr,
     PER_ROW: tl.constexpr, IDX_2D: tl.constexpr,
@@ -129,7 +131,7 @@ def _residual_gathered_kernel(
         for k0 in range(0, ub(KP), BKG):
             t = k0 + tl.arange(0, BKG)
             idx = _load_idx(idx_ptr, rows64, rmask, t, KP, IDX_2D)
-            r = _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx)
+            r = _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx, xhat_lim)
             gmax = tl.maximum(gmax, rmax(tl.abs(r).to(tl.int32, bitcast=True), 1))
         amax_g = gmax.to(tl.float32, bitcast=True)
         k_start = 0
@@ -152,7 +154,7 @@ def _residual_gathered_kernel(
         t = k0 + tl.arange(0, BKG)
         tmask = t < KP
         idx = _load_idx(idx_ptr, rows64, rmask, t, KP, IDX_2D)
-        r = _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx)
+        r = _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx, xhat_lim)
         codes, s_b, gh = nvfp4_quant_tile(r, s_dec[:, None], mult[:, None], BM, BKG)
         omask = rmask[:, None] & tmask[None, :]
         if WRITE_CODES:
@@ -178,14 +180,16 @@ if not INTERP:
     )(_residual_masked_kernel)
 
 
-def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scales=None, comp=None, s_enc=None, s_dec=None):
-    """Masked-mode residual quantization over ``x [M, K]``; ``mask`` int8 ``[K]`` or ``[M, K]``."""
+def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scales=None, comp=None, s_enc=None, s_dec=None,
+                           xhat_lim=BF16_MAX):
+    """Masked-mode residual quantization over ``x [M, K]``; ``mask`` int8 ``[K]`` or ``[M, K]``;
+    ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``)."""
     from .nvfp4_quant import pick_tile
 
     m, k = x.shape
     dummy = amax_x
     args = (
-        x, x.stride(0), m, k, amax_x, amax_r, mask,
+        x, x.stride(0), m, k, amax_x, amax_r, mask, float(xhat_lim),
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         comp if comp is not None else dummy,
         s_enc if s_enc is not None else dummy, s_dec if s_dec is not None else dummy,
@@ -206,9 +210,10 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
 
 def launch_residual_gathered(
     x, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row, *,
-    codes=None, scales=None, comp=None, dense=None, s_enc=None, s_dec=None,
+    codes=None, scales=None, comp=None, dense=None, s_enc=None, s_dec=None, xhat_lim=BF16_MAX,
 ):
-    """Gathered-mode residual quantization; ``idx`` int32 ``[K']`` or ``[M, K']`` (-1 = padding)."""
+    """Gathered-mode residual quantization; ``idx`` int32 ``[K']`` or ``[M, K']`` (-1 = padding);
+    ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``)."""
     m, k = x.shape
     kp = idx.shape[-1]
     if INTERP:
@@ -220,7 +225,7 @@ def launch_residual_gathered(
     grid = (triton.cdiv(m, bm), 1 if per_row else triton.cdiv(kp, bkg))
     _residual_gathered_kernel[grid](
         x, x.stride(0), m, k, kp, qa_codes, qa_scales, qa_sdec, idx,
-        amax_g if amax_g is not None else dummy,
+        amax_g if amax_g is not None else dummy, float(xhat_lim),
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         comp if comp is not None else dummy, dense if dense is not None else dummy,
         s_enc if s_enc is not None else dummy, s_dec if s_dec is not None else dummy,

@@ -1,0 +1,48 @@
+"""``qpass bench``: the command line of the Triton kernel benchmark.
+
+The parser lives here, in the app layer, so ``qpass --help`` and the CLI tree work without triton
+and the benchmark gets the shared flags of :mod:`qpass.apps.cliutil` (``--threads``, ``-v``) like
+every other subcommand. The implementation stays next to the Triton backend
+(:mod:`qpass.backends.triton.bench`: :class:`~qpass.backends.triton.bench.BenchOptions`,
+:func:`~qpass.backends.triton.bench.run`) and is imported only when the command runs: without
+triton that import raises :class:`~qpass.errors.MissingDependencyError` (exit 2 with the install hint).
+
+Not offered: ``--dtype`` (the kernels' operands are bf16 by contract; there is no model) and
+``--force`` (the output is one JSON file, rewritten as results arrive so a killed run keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_bench_parser(prog: str = "qpass bench") -> argparse.ArgumentParser:
+    """The ``qpass bench`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
+    from qpass.apps.cliutil import add_threads, add_verbose, pos_float
+
+    ap = argparse.ArgumentParser(prog=prog, description="Triton kernel benchmarks: ratios against baselines timed in the same run")
+    ap.add_argument("--quick", action="store_true", help="CPU interpreter, tiny shapes, correctness only (< 1 min)")
+    ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md)")
+    ap.add_argument("--budget-s", type=pos_float, default=300.0, help="wall-clock budget of the full benchmark, seconds")
+    ap.add_argument("--seed", type=int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # full code path on CPU, toy sizes
+    add_threads(ap)
+    add_verbose(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of ``qpass bench``. Returns the benchmark's status (0 ok, 1 a check/measurement failed,
+    2 no CUDA device for the full run).
+
+    Raises:
+        MissingDependencyError: triton is not installed (the CLI prints the install hint, exit 2).
+    """
+    a = build_bench_parser().parse_args(argv)
+    from qpass.backends.triton import bench  # needs triton: MissingDependencyError names the extra
+
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    return bench.run(bench.BenchOptions(quick=a.quick, out=a.out, budget_s=a.budget_s, seed=a.seed, smoke=a.smoke))
