@@ -97,6 +97,16 @@ def test_finish_loading_rebinds_in_place_so_a_reload_updates_the_served_decode()
     finish_loading(layer, "L", persistent=True, decode_cache=True)
     assert layer.qpass_s_dec is s_dec and layer.qpass_w_hat is w_hat  # same storage (vLLM copies back into it)
     assert not torch.equal(layer.qpass_w_hat, before)
+    # after the reload the served output follows the new bytes exactly (no stale decode), in every mode
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for act, rac in (("none", None), ("nvfp4", RACConfig(0.5, "masked", "batch"))):
+        got = served_linear(layer, x, None, site="L", act=act, rac=rac)
+        want = torch.ops.qpass.nvfp4_linear(x, fresh.weight, fresh.weight_scale, fresh.weight_scale_2[0].clone(), None, "L", act,
+                                            float(rac.ratio) if rac else 0.0, "masked", "batch", None)
+        prev = _layer(seed=0)
+        old = torch.ops.qpass.nvfp4_linear(x, prev.weight, prev.weight_scale, prev.weight_scale_2[0].clone(), None, "L", act,
+                                           float(rac.ratio) if rac else 0.0, "masked", "batch", None)
+        assert torch.equal(got, want) and not torch.equal(got, old)
 
 
 def _served_record(layer: str, widths, codes, scales, gs, *, rank=0, size=1, k_sharded=False):

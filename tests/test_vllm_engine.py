@@ -76,6 +76,18 @@ def _gap_to_qpass(engine, ro, seed):
     return torch.cat(d)
 
 
+def test_engine_start_leaves_torch_threads_alone(engine):
+    """The in-process engine replaced ``torch.set_num_threads`` with a no-op and set 1 thread; the
+    engine restores both (``keep_torch_threads``), so the learner in this process keeps its threads."""
+    assert torch.set_num_threads is torch._C.set_num_threads
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n + 1)
+        assert torch.get_num_threads() == n + 1
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_engine_serves_qpass_quantizer_bytes(engine, model):
     served = engine.served_weights()
     assert len(served) == 14 and served["model.layers.0.self_attn.k_proj"].codes.shape == (64, 64)

