@@ -77,8 +77,8 @@ def _gap_to_qpass(engine, ro, seed):
 
 
 def test_engine_start_leaves_torch_threads_alone(engine):
-    """The in-process engine replaced ``torch.set_num_threads`` with a no-op and set 1 thread; the
-    engine restores both (``keep_torch_threads``), so the learner in this process keeps its threads."""
+    """The in-process engine replaced ``torch.set_num_threads`` with a no-op that only warns; the
+    engine restores it (``keep_torch_threads``), so the learner in this process can still set its threads."""
     assert torch.set_num_threads is torch._C.set_num_threads
     n = torch.get_num_threads()
     try:

@@ -153,16 +153,17 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
 
 @contextlib.contextmanager
 def keep_torch_threads() -> Iterator[None]:
-    """Undo, when the block ends, what an in-process vLLM-CPU worker does to the whole process.
+    """Undo, when the block ends, what an in-process vLLM-CPU worker does to torch's threading.
 
     vLLM-CPU 0.32's worker (``vllm/v1/worker/cpu_worker.py`` ``init_device``) replaces
-    ``torch.set_num_threads`` with a function that only logs a warning, and
-    ``vllm/utils/torch_utils.py`` ``set_torch_threads_for_runtime`` sets torch's intra-op threads to
-    1. With the engine core in this process (``in_process=True``) that is the learner's process too:
-    its scoring and backward then run on one thread and can no longer change it (the 25-minute
-    GRPO step 1 of docs/RESULTS.md). This restores the original ``torch.set_num_threads`` and the
-    thread count from before the block; the engine's forward then runs with that count as well.
-    The CPU affinity is left alone (the in-process executor does not bind cores).
+    ``torch.set_num_threads`` with a function that only logs a warning; with the engine core in this
+    process (``in_process=True``) that is the learner's process, which then can no longer change its
+    thread count (``--threads`` after the start, ``QPASS_MEGATRON_THREADS``). Later
+    ``gpu_worker.py`` calls ``set_torch_threads_for_runtime`` (1 thread for serving), which in 0.32
+    goes through the replaced function and so keeps the count (the log says "Reducing Torch threads
+    from 2 to 1" and then the warning). This restores the original ``torch.set_num_threads`` and, if
+    a vLLM version does change it, the thread count from before the block. The CPU affinity is left
+    alone (the in-process executor binds no cores: ``taskset -p`` shows all of them).
     """
     set_fn, n = torch.set_num_threads, torch.get_num_threads()
     try:
