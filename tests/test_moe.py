@@ -14,12 +14,12 @@ from tests.conftest import tiny_llama
 E, K_TOP, H, I_MOE = 4, 2, 32, 32
 
 
-def tiny_moe(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """2-layer MoE of class ``kind`` (hidden 32, expert MLP 32, 4 experts, top-2, vocab 128)."""
+def tiny_moe(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, vocab: int = 128) -> torch.nn.Module:
+    """2-layer MoE of class ``kind`` (hidden 32, expert MLP 32, 4 experts, top-2, vocab ``vocab``)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(vocab_size=vocab, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, max_position_embeddings=128, num_experts_per_tok=K_TOP)
     if kind == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=I_MOE, num_experts=E, norm_topk_prob=True)

@@ -48,8 +48,14 @@ def _prefill_args(rollout: QGraph, batch: Any) -> tuple:
                              max_len=int(rollout.captured.max_len))
 
 
-def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any) -> tuple[dict[str, float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Per-site relative input mismatch on one sampled batch (valid tokens only), plus the raw inputs."""
+def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
+                           skipped: list[str] | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per-site relative input mismatch on one sampled batch (valid tokens only), plus the raw inputs.
+
+    Sites whose input is not one row per token of the batch (MoE expert linears: the tokens routed
+    to that expert, a set that can differ between the two sides) have no row-aligned comparison;
+    they are left out of the result and their ids appended to ``skipped``.
+    """
     from qpass.diagnostics.capture import capture_linear_inputs
     from qpass.sampling import positions_from_mask
 
@@ -60,6 +66,12 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any) -> tupl
     rel = {}
     for sid in rollout.sites:
         if sid in la and sid in ra:
+            if la[sid].reshape(-1, la[sid].shape[-1]).shape[0] != rows.numel() or \
+                    ra[sid].reshape(-1, ra[sid].shape[-1]).shape[0] != rows.numel():
+                del la[sid], ra[sid]
+                if skipped is not None:
+                    skipped.append(sid)
+                continue
             xl, xr = la[sid].float().cpu()[rows], ra[sid].float().cpu()[rows]
             la[sid], ra[sid] = xl, xr
             denom = float(xl.norm())
@@ -209,8 +221,14 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
     from qpass.apps.report import plot_activation_mismatch, plot_gap_histogram, plot_residual_heatmap
 
     plots: dict[str, str] = {}
-    rel, la, ra = activation_diagnostics(learner, rollout, gap.batches[0])
+    skipped: list[str] = []
+    rel, la, ra = activation_diagnostics(learner, rollout, gap.batches[0], skipped)
     diag["activation_mismatch_rel"] = rel
+    if skipped:
+        diag["activation_mismatch_skipped"] = {
+            "sites": len(skipped), "example": skipped[0],
+            "reason": "input is not one row per batch token (MoE expert linear: only the tokens routed to the expert, "
+                      "a set that differs between rollout and learner where their routes differ)"}
     diag["rollout_tokens_per_s"] = gap.tokens_per_s
     site = _pick_rac_site(rollout, ra)
     if site is not None:
