@@ -26,7 +26,9 @@
 #   (bf16,naive_nvfp4,qat_only,quads_nvfp4) PROMPTS (8) GROUP (8) MAX_NEW (16) LR (3e-5)
 #   DIFFICULTY (2) OPERATORS (+) TEMPLATE (terse) TEMPERATURE (1.0): the best calibration of
 #   docs/RESULTS.md "Task calibration" SEED (0) RATIO (coupled) CORRECTION (none) MINIBATCHES (4) EPOCHS (1)
-#   EVAL_PROMPTS (400) EVAL_EVERY (10) KERNELS (triton if importable, else reference)
+#   MICRO (16: learner rows per forward; MINIBATCHES needs PROMPTS*GROUP/MICRO >= MINIBATCHES)
+#   PARALLEL (1: one grpo process per recipe, all on the one GPU, each with the whole SEG_S; 0: one
+#   process, SEG_S split over the recipes) EVAL_PROMPTS (400) EVAL_EVERY (10) KERNELS (triton if importable, else reference)
 #   SPEED_RECIPES (bf16,quads_nvfp4) SPEED_STEPS (3) CKPT_DIR DEVICE (cuda) EXTRA
 set -u
 set -o pipefail
@@ -48,7 +50,7 @@ STEPS="${STEPS:-150}"; SEG_S="${SEG_S:-450}"; HARD_S="${HARD_S:-525}"
 RECIPES="${RECIPES:-bf16,naive_nvfp4,qat_only,quads_nvfp4}"
 PROMPTS="${PROMPTS:-8}"; GROUP="${GROUP:-8}"; MAX_NEW="${MAX_NEW:-16}"; LR="${LR:-3e-5}"
 DIFFICULTY="${DIFFICULTY:-2}"; OPERATORS="${OPERATORS:-+}"; TEMPLATE="${TEMPLATE:-terse}"; TEMPERATURE="${TEMPERATURE:-1.0}"
-SEED="${SEED:-0}"; RATIO="${RATIO:-coupled}"; CORRECTION="${CORRECTION:-none}"
+SEED="${SEED:-0}"; RATIO="${RATIO:-coupled}"; CORRECTION="${CORRECTION:-none}"; MICRO="${MICRO:-16}"; PARALLEL="${PARALLEL:-1}"
 MINIBATCHES="${MINIBATCHES:-4}"; EPOCHS="${EPOCHS:-1}"; EVAL_PROMPTS="${EVAL_PROMPTS:-400}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 SPEED_RECIPES="${SPEED_RECIPES:-bf16,quads_nvfp4}"; SPEED_STEPS="${SPEED_STEPS:-3}"
 CKPT_DIR="${CKPT_DIR:-$REPO/.device_out/grpo_long_ckpt}"
@@ -95,17 +97,38 @@ print(json.dumps(res, indent=1))
 PY
 }
 
-long() {
-  local budget="$1"
-  mkdir -p "$CKPT_DIR"
+long_args() {
   # shellcheck disable=SC2086
-  timeout -s INT -k 15 "$HARD_S" "${GRPO[@]}" --recipe "$RECIPES" --steps "$STEPS" --out "$OUT/long" --overwrite --keep-partial \
-    --checkpoint-dir "$CKPT_DIR" --resume --checkpoint-every 10 --total-time-s "$budget" \
+  echo --steps "$STEPS" --overwrite --keep-partial \
+    --checkpoint-dir "$CKPT_DIR" --resume --checkpoint-every 10 \
     --prompts-per-step "$PROMPTS" --group-size "$GROUP" --max-new-tokens "$MAX_NEW" --lr "$LR" --difficulty "$DIFFICULTY" \
     --operators "$OPERATORS" --template "$TEMPLATE" --temperature "$TEMPERATURE" --n-train 500 --n-eval 500 \
     --ratio "$RATIO" --correction "$CORRECTION" --minibatches "$MINIBATCHES" --ppo-epochs "$EPOCHS" \
-    --eval-every "$EVAL_EVERY" --eval-prompts "$EVAL_PROMPTS" --diag-every 50 --bitexact-every 50 $EXTRA 2>&1 | tee -a "$LOG"
-  RC=${PIPESTATUS[0]}
+    --micro-batch-size "$MICRO" --eval-every "$EVAL_EVERY" --eval-prompts "$EVAL_PROMPTS" --diag-every 50 --bitexact-every 50 $EXTRA
+}
+
+long() {
+  local budget="$1"
+  mkdir -p "$CKPT_DIR"
+  if [ "$PARALLEL" = 1 ]; then
+    # one process per recipe on the same GPU (the 135M model leaves it mostly idle): each gets the
+    # whole budget instead of a share; CPU threads split over the processes
+    local pids=() r n
+    n=$(echo "${RECIPES//,/ }" | wc -w)
+    for r in ${RECIPES//,/ }; do
+      # shellcheck disable=SC2046
+      timeout -s INT -k 15 "$HARD_S" "${GRPO[@]}" --recipe "$r" --out "$OUT/long/$r" --total-time-s "$budget" \
+        --threads $(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) $(long_args) > "$OUT/long_$r.log" 2>&1 &
+      pids+=($!)
+    done
+    RC=0
+    for p in "${pids[@]}"; do wait "$p" || RC=1; done
+    for r in ${RECIPES//,/ }; do tail -n 5 "$OUT/long_$r.log" | tee -a "$LOG"; done
+  else
+    # shellcheck disable=SC2046
+    timeout -s INT -k 15 "$HARD_S" "${GRPO[@]}" --recipe "$RECIPES" --out "$OUT/long" --total-time-s "$budget" $(long_args) 2>&1 | tee -a "$LOG"
+    RC=${PIPESTATUS[0]}
+  fi
   RUNS=()
   for r in ${RECIPES//,/ }; do [ -f "$OUT/long/$r/metrics.jsonl" ] && RUNS+=("$OUT/long/$r"); done
   if [ "${#RUNS[@]}" -gt 0 ]; then

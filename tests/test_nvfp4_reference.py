@@ -468,3 +468,34 @@ def test_from_parts_round_trip_and_checks():
         NVFP4Tensor.from_parts(q.codes, q.scales[:, :1], q.s_dec)
     with pytest.raises(QuantizationError, match="float8_e4m3fn"):
         NVFP4Tensor.from_parts(q.codes, q.scales.float(), q.s_dec)
+
+
+def test_rac_score_shift_on_device_equals_the_host_formula():
+    """The capture-safe shift (a tensor, no float(amax)) has the host formula's value everywhere."""
+    import math
+
+    from qpass.quant.rac import score_shift, score_shift_tensor
+
+    amaxes = [0.0, 1e-30, 2.0**-126, 3e-8, 0.5, 1.0, 1.5, 6.0, 448.0, 2688.0, 65504.0, 3e38]
+    for a in amaxes:
+        for rows in (1, 2, 3, 24, 4096):
+            t = torch.tensor(a, dtype=torch.float32)
+            assert int(score_shift_tensor(t, rows)) == score_shift(t, rows), (a, rows)
+    # a hand value: amax 6 = 0.75 * 2^3, M = 24 -> 61 - ceil(log2 24) - 2*3 = 61 - 5 - 6 = 50
+    assert int(score_shift_tensor(torch.tensor(6.0), 24)) == 50 == 61 - math.ceil(math.log2(24)) - 6
+
+
+def test_value_checks_are_skipped_under_no_sync_checks_and_nan_propagates():
+    from qpass.errors import QuantizationError
+    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from qpass.sync_checks import no_sync_checks, sync_checks_enabled
+
+    x = torch.ones(2, 32)
+    x[1, 5] = float("nan")
+    with pytest.raises(QuantizationError, match="non-finite"):
+        nvfp4_quantize(x)
+    with no_sync_checks():
+        assert not sync_checks_enabled("cpu")
+        q = nvfp4_quantize(x)  # no check: the NaN reaches the global scale, so every decoded value is NaN
+        assert torch.isnan(nvfp4_dequantize(q, torch.float32)).all()
+    assert sync_checks_enabled("cpu")

@@ -1,10 +1,18 @@
-"""Input validation shared by every quantizer: one place that turns bad input into a named error."""
+"""Input validation shared by every quantizer: one place that turns bad input into a named error.
+
+Value checks (NaN/inf, stale amax, code and channel ranges) read a tensor back to the host; they
+run only while :func:`qpass.sync_checks.sync_checks_enabled` says so (off under CUDA-graph capture).
+Checks of shapes and dtypes never sync and always run.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from qpass.errors import QuantizationError
+from qpass.sync_checks import no_sync_checks, sync_checks_enabled
+
+__all__ = ["FLOAT_INPUT_DTYPES", "check_float_input", "describe", "no_sync_checks", "sync_checks_enabled"]
 
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,6 +68,8 @@ def check_float_input(
             f"k must be a multiple of {multiple_of}, got x.shape={tuple(x.shape)} for {where} "
             f"({op}; pad whole blocks with zeros explicitly if that is what you want)"
         )
+    if not sync_checks_enabled(x.device):
+        return
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         bad = (~finite).nonzero()

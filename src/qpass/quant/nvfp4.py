@@ -30,7 +30,7 @@ from qpass.formats.e2m1 import e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
 from qpass.formats.e4m3 import e4m3_round_magnitude
 from qpass.formats.fp32 import FLT_MAX, FP4_E2M1_MAX, FP8_E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN, NVFP4_WEIGHT, NVFP4Spec
-from qpass.quant.checks import check_float_input, describe
+from qpass.quant.checks import check_float_input, describe, sync_checks_enabled
 from qpass.quant.groups import allreduce_max, tensor_amax
 
 BLOCK = 16
@@ -282,6 +282,11 @@ def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec =
 
 def _check_amax(amax: torch.Tensor, x: torch.Tensor, per_token: bool, name: str | None, site: str | None) -> None:
     where = describe(name, site)
+    expected = () if not per_token else tuple(x.shape[:-1]) + (1,)
+    if amax.dim() != 0 and tuple(amax.shape) != expected:
+        raise QuantizationError(f"amax shape {tuple(amax.shape)} does not match {expected} for {where}")
+    if not sync_checks_enabled(x.device):
+        return
     if not bool(torch.isfinite(amax).all()) and bool(torch.isfinite(x).all()):
         # x itself was checked finite: the NaN/inf is in another member of x's quantization group
         raise QuantizationError(
@@ -290,9 +295,6 @@ def _check_amax(amax: torch.Tensor, x: torch.Tensor, per_token: bool, name: str 
         )
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise QuantizationError(f"amax must be finite and >= 0, got {amax.flatten()[:4].tolist()} for {where}")
-    expected = () if not per_token else tuple(x.shape[:-1]) + (1,)
-    if amax.dim() != 0 and tuple(amax.shape) != expected:
-        raise QuantizationError(f"amax shape {tuple(amax.shape)} does not match {expected} for {where}")
     actual = tensor_amax(x, per_row=per_token)
     if bool((amax < actual).any()):
         raise QuantizationError(

@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 
 from qpass.errors import QuantizationError
+from qpass.quant.checks import sync_checks_enabled
 from qpass.formats.spec import NVFP4Spec
 from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
 
@@ -86,16 +87,32 @@ def score_shift(amax_x: torch.Tensor, rows: int) -> int:
     return max(-100, min(100, 61 - c - 2 * e_a))
 
 
-def residual_terms(r: torch.Tensor, shift: int) -> torch.Tensor:
-    """int64 ``floor(fl(r*r) * 2^shift)`` elementwise (r float32)."""
+def score_shift_tensor(amax_x: torch.Tensor, rows: int) -> torch.Tensor:
+    """:func:`score_shift` computed on ``amax_x``'s device: an int32 scalar tensor, no host sync.
+
+    Same value as ``score_shift(amax_x, rows)`` for every finite float32 amax (``torch.frexp`` gives
+    ``math.frexp``'s exponent); the decode step uses this form so that it can be captured as a CUDA
+    graph (a ``float(amax)`` would synchronise with the host).
+    """
+    a = amax_x.detach().float().reshape(())
+    _, e_a = torch.frexp(a)
+    c = max(0, math.ceil(math.log2(rows))) if rows > 1 else 0
+    shift = torch.clamp(61 - c - 2 * e_a.to(torch.int32), -100, 100)
+    return torch.where(a == 0, torch.zeros_like(shift), shift)
+
+
+def residual_terms(r: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
+    """int64 ``floor(fl(r*r) * 2^shift)`` elementwise (r float32; ``shift`` an int or int32 scalar tensor)."""
     sq = r * r
-    scaled = torch.ldexp(sq, torch.tensor(shift, dtype=torch.int32, device=r.device))
+    if not isinstance(shift, torch.Tensor):
+        shift = torch.tensor(shift, dtype=torch.int32, device=r.device)
+    scaled = torch.ldexp(sq, shift.to(device=r.device, dtype=torch.int32))
     return torch.floor(scaled).to(torch.int64)
 
 
 def channel_scores(r: torch.Tensor, amax_x: torch.Tensor) -> torch.Tensor:
-    """Exact per-channel residual energy of ``r`` [M, K] (float32) -> int64 [K]."""
-    return residual_terms(r, score_shift(amax_x, r.shape[0])).sum(dim=0)
+    """Exact per-channel residual energy of ``r`` [M, K] (float32) -> int64 [K] (no host sync)."""
+    return residual_terms(r, score_shift_tensor(amax_x, r.shape[0])).sum(dim=0)
 
 
 def topk_channels(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -161,7 +178,7 @@ def rac_reference(
         if static_channels is None:
             raise QuantizationError(f"RAC selection 'static' needs calibrated channels at site {site}")
         ch = torch.sort(static_channels.to(torch.int64).to(x.device)).values
-        if ch.numel() and (int(ch.min()) < 0 or int(ch.max()) >= k_dim):
+        if ch.numel() and sync_checks_enabled(x.device) and (int(ch.min()) < 0 or int(ch.max()) >= k_dim):
             raise QuantizationError(f"static RAC channels out of range [0, {k_dim}) at site {site}")
     elif cfg.selection == "batch":
         ch = topk_channels(channel_scores(r, qa.amax.amax()), k)

@@ -11,9 +11,12 @@ decode steps, ``generate`` calls and weight updates. A 135M model's decode step 
 is used; it also warms up cuBLAS/Triton on a side stream, as ``torch.cuda.graphs`` requires), then
 the same call is captured (capture records kernels, it does not run them, so the KV cache is not
 written twice), and every later call copies its inputs into the static input tensors and replays.
-Every op of every recipe's step graph is device-side (no host synchronisation), so capture works
-for every recipe; if it fails anyway (an op that synchronises, an allocator limit), mode
-``"auto"`` logs the reason and stays eager for the engine's lifetime, mode ``"on"`` raises.
+Every op of every recipe's step graph is device-side once the host-syncing value checks are off
+(:func:`qpass.sync_checks.sync_checks_enabled`: off under capture; the eager warm-up call keeps them),
+for the reference and the Triton kernels alike; ``tests/test_grpo_long.py`` proves it on CPU with
+:func:`qpass.runtime.host_sync.forbid_host_sync` for every built-in recipe. If capture fails anyway (an
+allocator limit, a new op that synchronises), mode ``"auto"`` logs the reason and stays eager for
+the engine's lifetime, mode ``"on"`` raises.
 
 On a CPU device the eager path is kept (``status`` says why).
 
@@ -30,6 +33,7 @@ from typing import Literal
 import torch
 
 from qpass.errors import QpassError
+from qpass.sync_checks import no_sync_checks
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +137,8 @@ class DecodeGraph:
         static = tuple(a.clone() for a in args)
         out = self.backend.warmup(self.step, static, self.device)
         try:
-            self._replay, self._out = self.backend.capture(self.step, static, self.device)
+            with no_sync_checks():  # value checks read the device; capture already turns them off on CUDA
+                self._replay, self._out = self.backend.capture(self.step, static, self.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure: the mode decides
             if self.mode == "on":
                 raise QpassError(f"CUDA graph capture of the decode step failed: {type(exc).__name__}: {exc}") from exc
