@@ -216,7 +216,14 @@ def test_host_sync_detector_names_the_op():
                     (lambda: x.nonzero(), "nonzero"), (lambda: x[x > 0], "boolean-mask __getitem__"), (lambda: x.tolist(), "tolist")]:
         with pytest.raises(HostSyncError, match=f"here: {op} reads a device value"), forbid_host_sync("here"):
             bad()
+    m = torch.zeros(2, 4, dtype=torch.bool)
+    with pytest.raises(HostSyncError, match="python scalar copies a host tensor"), forbid_host_sync():
+        m[:, torch.tensor([1, 3])] = True
+    with pytest.raises(HostSyncError, match=r"torch.tensor\(python data, device=...\)"), forbid_host_sync():
+        torch.tensor([1.0], device="cuda")
     with forbid_host_sync():  # device-side ops pass
+        m.index_fill_(1, torch.tensor([1, 3]), True)
+        m[:, 0] = True  # a basic index: fill_, no host tensor
         y = torch.where(x > 0, x, torch.zeros_like(x)).amax() + x[torch.tensor([0, 2])].sum()
     assert y.item() == 7.0
 
@@ -325,3 +332,22 @@ def test_quads_preset_panels_read_the_logged_keys(tmp_path):
     assert run.series("loss/clip_pos_frac") == ([1, 2], [0.25, 0.5])
     assert run.series("loss/clip_neg_frac") == ([2], [0.125])  # null: no A < 0 token that step
     assert run.series("eval/accuracy") == ([0], [0.5])
+
+
+def test_prefill_resets_the_static_kv_cache(tiny_pipeline):
+    """A call's numbers must not depend on what the previous call left in the static KV cache (on CUDA a
+    left-pad position's attention reads the whole cache): poison the cache with NaN, then generate and
+    score must equal a fresh engine bit for bit."""
+    from qpass.recipe import load_recipe
+    from qpass.runtime.engine import make_rollout_engine
+
+    rollout = tiny_pipeline.build_side(load_recipe("quads_nvfp4"), "rollout")
+    prompts = [[3, 11, 12, 2, 13], [3, 14], [3, 15, 16]]
+    eng = make_rollout_engine("qpass", qg=rollout, pad_token_id=0, eos_token_id=[1])
+    a = eng.generate(prompts, max_new_tokens=6, seed=5)
+    kv = [b for n, b in rollout.gm.named_buffers() if n.startswith(("kv_keys_", "kv_values_"))]
+    assert len(kv) == 2 * 2  # keys and values of the tiny model's 2 layers
+    for b in kv:
+        b.fill_(float("nan"))
+    b2 = eng.generate(prompts, max_new_tokens=6, seed=5)
+    assert torch.equal(a.input_ids, b2.input_ids) and torch.equal(a.logq, b2.logq)

@@ -190,7 +190,7 @@ def rac_reference(
         r_hat = nvfp4_dequantize(qr, torch.float32)
         mask = torch.zeros(m, k_dim, dtype=torch.bool, device=x.device)
         if ch.dim() == 1:
-            mask[:, ch] = True
+            mask.index_fill_(1, ch, True)  # not mask[:, ch] = True: its scalar is a host tensor (no H2D copy under capture)
         else:
             mask.scatter_(1, ch, True)
         comp = torch.where(mask, r_hat, torch.zeros_like(r_hat)).to(torch.bfloat16)

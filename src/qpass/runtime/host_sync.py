@@ -3,7 +3,8 @@
 A CUDA graph capture fails (``cudaErrorStreamCaptureUnsupported``) at the first op that reads a
 device value on the host: ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ``.tolist()``,
 ``nonzero`` / boolean-mask indexing (their output shape depends on the data), ``masked_select``,
-``unique``. :func:`forbid_host_sync` raises at exactly those ops, also on CPU tensors, so a CPU test
+``unique``; and it fails at the first host-to-device copy of pageable memory (``torch.tensor(data,
+device=...)``, ``t[index] = python_scalar``). :func:`forbid_host_sync` raises at exactly those ops, also on CPU tensors, so a CPU test
 can prove that a decode step would capture (the H200 is not needed to find the sync; it is
 needed to prove the capture). It replaces those methods while active, so it sees every Python-level call
 (qpass's reference kernels, custom-op implementations, a ``torch.export`` graph module), not what a
@@ -31,12 +32,17 @@ class HostSyncError(QpassError):
 
 _METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "nonzero", "argwhere",
             "masked_select", "unique", "unique_consecutive", "numpy", "__getitem__", "__setitem__")
-_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive")
+_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "tensor", "as_tensor")
 
 
 def _bool_index(idx: object) -> bool:
     items = idx if isinstance(idx, tuple) else (idx,)
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _tensor_index(idx: object) -> bool:
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(i, torch.Tensor) for i in items)
 
 
 def _guard(name: str, orig, where: str):  # noqa: ANN001, ANN202
@@ -45,8 +51,17 @@ def _guard(name: str, orig, where: str):  # noqa: ANN001, ANN202
             if _bool_index(idx):
                 raise HostSyncError(f"{where}: boolean-mask {name} reads a device value on the host "
                                     "(its output shape depends on the data; a CUDA graph cannot capture it)")
+            if name == "__setitem__" and _tensor_index(idx) and rest and not isinstance(rest[0], torch.Tensor):
+                raise HostSyncError(f"{where}: t[tensor_index] = python scalar copies a host tensor to the device "
+                                    "(index_put_ with a CPU value; use index_fill_ / scatter_)")
             return orig(self, idx, *rest)
         return index
+    if name in ("tensor", "as_tensor"):
+        def make(data, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if not isinstance(data, torch.Tensor) and str(kwargs.get("device", "cpu")) != "cpu":
+                raise HostSyncError(f"{where}: torch.{name}(python data, device=...) copies host memory to the device")
+            return orig(data, *args, **kwargs)
+        return make
 
     def syncing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise HostSyncError(f"{where}: {name} reads a device value on the host (a CUDA graph cannot capture it)")

@@ -77,9 +77,23 @@ class TorchRollout:
             return t.device
         return torch.device("cpu")
 
+    def _kv_buffers(self) -> list[torch.Tensor]:
+        return [b for n, b in self.gm.named_buffers() if n.startswith(("kv_keys_", "kv_values_"))]
+
     def _prefill(self, prompts: Sequence[Sequence[int]], dev: torch.device) -> tuple:
         """Step-graph arguments of the prefill call: the prompts left-padded, the static batch
-        filled with copies of the last prompt (:func:`qpass.runtime.prefill.step_prefill_args`)."""
+        filled with copies of the last prompt (:func:`qpass.runtime.prefill.step_prefill_args`).
+
+        Zeroes the static KV cache first (in place: a captured decode graph keeps its pointers).
+        A left-pad query position has no visible key; on CUDA the attention then spreads it over the
+        whole cache, so without the reset its hidden state would depend on the previous call's cache
+        contents, and through the batch-wide statistics of the pad row (the RAC ``batch`` channel
+        score, the per-tensor activation amax) so would the real rows: measured on the H200, two
+        identical ``generate`` calls differed by up to 0.045 in log q under RAC ``batch`` selection
+        (``docs/results/h200/cuda_graph_probe/graph_step_probe.json``).
+        """
+        for buf in self._kv_buffers():
+            buf.zero_()
         ids, am = left_pad(prompts, pad_token_id=self.pad, device=dev)
         return step_prefill_args(ids, am, batch_size=self.batch_size, max_len=self.max_len)
 
