@@ -14,6 +14,7 @@ two threads ~10x slower.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -116,6 +117,10 @@ def test_study_quick(pipe, tmp_path):
         assert p["replay"]["mean_abs"] >= 0 and p["replay"]["max_abs"] >= p["replay"]["mean_abs"], k
     for k in ("floor", "op_w4a16", "op_w16a4", "op_w4a4"):
         assert data["pairs"][k]["on_policy"]["tokens"] > 0
+    # learner-side QDQ on-policy: the weight-QDQ learner scores the very tokens the W4A16 / W4A4 rollouts sampled
+    for k, op in (("qdq_w4a16_wqdq", "op_w4a16"), ("quads_k0", "op_w4a4")):
+        assert data["pairs"][k]["on_policy"]["tokens"] == data["pairs"][op]["on_policy"]["tokens"] > 0
+        assert data["pairs"][k]["on_policy"]["mean_abs"] != data["pairs"][op]["on_policy"]["mean_abs"]
     assert [p["k"] for p in data["rac"]["sweep"]["masked/batch"]] == [0.0, 0.5, 1.0]
     assert set(data["layerwise"]["summary"]) == {"prefill", "decode"}
     assert len(data["layerwise"]["per_site"]["decode"]["asym"]) == len(pipe.base_step.sites)
@@ -285,3 +290,22 @@ def test_cli_rejects_bad_ratios(tmp_path):
     assert main(["--quick", "--out", str(tmp_path / "x"), "--ratios", "0,150"]) == 2
     assert main(["--quick", "--out", str(tmp_path / "x"), "--ratios", "a,b"]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_rescore_pairs_another_learner_with_the_same_samples(tiny_pipeline):
+    """``rescore`` with the learner that scored the samples reproduces the gap bit for bit; with another
+    learner it keeps the tokens and ``log q`` and changes only ``log p``."""
+    from qpass.parity.behavior import logprob_gap, rescore
+    from qpass.recipe import load_recipe
+
+    learner, rollout = tiny_pipeline.build(load_recipe("quads_nvfp4"))
+    prompts = [[5, 6, 9, 10, 11], [12, 13], [20, 21, 22, 23], [30]]
+    kw = dict(max_new_tokens=6, temperature=1.0, top_p=1.0)
+    g = logprob_gap(learner, rollout, prompts, pad_token_id=0, eos_token_id=1, seed=2, **kw)
+    same = rescore(learner, g, **kw)
+    assert torch.equal(same.d, g.d) and same.summary() == g.summary()
+    bf16_learner, _ = tiny_pipeline.build(load_recipe("bf16"))
+    other = rescore(bf16_learner, g, **kw)
+    assert other.metrics.n_tokens == g.metrics.n_tokens > 0 and not torch.equal(other.d, g.d)
+    with pytest.raises(ValueError, match="no sampled batches"):
+        rescore(learner, dataclasses.replace(g, batches=[]), **kw)

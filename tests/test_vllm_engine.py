@@ -170,3 +170,18 @@ def test_update_failing_inside_the_engine_stops_it_with_the_reason(engine, model
         engine.generate(PROMPTS[:1], max_new_tokens=2)
     with pytest.raises(EngineFailed):
         engine.served_weights()
+
+
+def test_plugin_classes_pickle_by_reference_for_the_spawned_engine_core():
+    """vLLM's default engine core is a spawned process that pickles the quantization config: a class
+    built inside ``plugin_classes()`` must resolve by name (``Can't pickle local object`` otherwise)."""
+    import pickle
+
+    from qpass.backends.vllm import plugin
+
+    cfg_cls, method_cls = plugin.plugin_classes()
+    assert pickle.loads(pickle.dumps(cfg_cls)) is cfg_cls
+    assert pickle.loads(pickle.dumps(method_cls)) is method_cls
+    assert plugin.QpassNvfp4Config is cfg_cls and cfg_cls.__qualname__ == "QpassNvfp4Config"
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        plugin.Nope  # noqa: B018

@@ -122,6 +122,40 @@ def logprob_gap(
     return GapResult(metrics, d, batches, tps, replay, routes.mismatch() if routing else None)
 
 
+def rescore(
+    learner: LearnerEngine | QGraph,
+    gap: GapResult,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> GapResult:
+    """The gap of another learner on the tokens ``gap`` sampled (same rollout, same ``log q``).
+
+    Pairs a second learner with one rollout engine without sampling again: e.g. the weight-QDQ
+    learner against the vLLM W4A4 engine whose samples the BF16 learner already scored.
+    ``max_new_tokens`` must be the value the samples were drawn with (the response width).
+
+    Raises:
+        ValueError: ``gap`` holds no sampled batches.
+    """
+    if not gap.batches:
+        raise ValueError("rescore: the gap result holds no sampled batches")
+    le = as_learner_engine(learner)
+    r = max_new_tokens
+    pad = lambda t, v: torch.nn.functional.pad(t, (0, r - t.shape[1]), value=v)  # noqa: E731
+    logp_all, logq_all, mask_all = [], [], []
+    for b in gap.batches:
+        lp = le.token_logprobs(b.input_ids, b.attention_mask, temperature=temperature, top_p=top_p)[:, b.prompt_len - 1:]
+        valid = b.response_mask.clone()
+        valid[b.n_real:] = False
+        logp_all.append(pad(lp.float().cpu(), 0.0))
+        logq_all.append(pad(b.logq.cpu(), 0.0))
+        mask_all.append(pad(valid.cpu(), False))
+    logp, logq, mask = torch.cat(logp_all), torch.cat(logq_all), torch.cat(mask_all)
+    return GapResult(mismatch_metrics(logp, logq, mask), (logp - logq)[mask], gap.batches, gap.tokens_per_s)
+
+
 class _Routes:
     """Route recording across chunks for :func:`logprob_gap` (a no-op unless ``on``)."""
 

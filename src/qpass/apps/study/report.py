@@ -221,6 +221,11 @@ def to_markdown(res: dict) -> str:
     for k in ("op_w4a16", "qdq_w4a16_wqdq", "op_w16a4", "qdq_w16a4_aqdq", "quads_k0", "sym_w4a4_waqdq"):
         if k in res["pairs"]:
             L.append(_pair_row(res, k))
+    on = [k for k in ("op_w4a16", "qdq_w4a16_wqdq", "op_w4a4", "quads_k0") if res["pairs"].get(k, {}).get("on_policy")]
+    if any(k in ("qdq_w4a16_wqdq", "quads_k0") for k in on):
+        L += ["", f"Learner-side QDQ on-policy (rollout engine `{cfg.get('rollout_engine', 'qpass')}`: the same sampled "
+              "tokens scored by the BF16 and by the weight-QDQ learner):", "", PAIR_HEAD]
+        L += [_pair_row(res, k, on_policy=True) for k in on]
     L += ["", "## 3. RAC sweep on the QUADS configuration (weight-QDQ learner, W4A4 rollout + RAC; replay)", ""]
     sweep = res["rac"]["sweep"]
     combos = list(sweep)

@@ -228,10 +228,10 @@ def _run(cfg: StudyConfig, pipe: Any | None) -> dict[str, Any]:
     st = _Study(cfg, pipe)
     with use_kernels(cfg.kernels), torch.no_grad():
         graphs, roll_acts = st.base_rollouts()
-        layerwise, learner_bf16 = st.learners(roll_acts)
+        layerwise, learners = st.learners(roll_acts)
         del roll_acts
-        on_policy = st.on_policy(learner_bf16, graphs)
-        del learner_bf16
+        on_policy = st.on_policy(learners, graphs)
+        del learners
         del graphs
         st.rac_sweep()
         cost, timing = st.cost()
@@ -351,14 +351,15 @@ class _Study:
         prog.done()
         return graphs, roll_acts
 
-    def learners(self, roll_acts: dict[str, lw.Acts]) -> tuple[dict[str, Any], QGraph]:
+    def learners(self, roll_acts: dict[str, lw.Acts]) -> tuple[dict[str, Any], dict[str, QGraph]]:
         """``log p`` of every learner on the fixed set; layer-wise mismatch of the asymmetric
         (``w_qdq``) and symmetric (``wa_qdq``) learners against the W4A4 rollout captures.
 
-        Returns the layer-wise section and the BF16 learner graph (for the on-policy phase).
+        Returns the layer-wise section and the BF16 and weight-QDQ learner graphs (for the
+        on-policy phase).
         """
         raw: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
-        learner_bf16 = None
+        kept: dict[str, QGraph] = {}
         for name in ("bf16", "w_qdq", "a_qdq", "wa_qdq", "a_qdq_pt", "wa_qdq_pt"):
             self.prog.step(f"learner {name}")
             t = time.perf_counter()
@@ -376,8 +377,8 @@ class _Study:
                 del lacts
                 info["layerwise_s"] = time.perf_counter() - t2
             self.learner_info[name] = info
-            if name == "bf16":
-                learner_bf16 = learner
+            if name in ("bf16", "w_qdq"):
+                kept[name] = learner
             del learner
             self.prog.done()
         summary: dict[str, dict[str, Any]] = {}
@@ -399,11 +400,16 @@ class _Study:
                            "rollout computes when it samples)."),
             "summary": summary, "per_site": per_site,
         }
-        return layerwise, learner_bf16
+        return layerwise, kept
 
-    def on_policy(self, learner_bf16: QGraph, graphs: dict[str, QGraph]) -> dict[str, dict[str, float]]:
-        """Operand ablation measured on-policy: each rollout samples its own tokens (same seeds)."""
-        from qpass.parity.behavior import logprob_gap
+    def on_policy(self, learners: dict[str, QGraph], graphs: dict[str, QGraph]) -> dict[str, dict[str, float]]:
+        """Operand ablation measured on-policy: each rollout samples its own tokens (same seeds),
+        scored by the BF16 learner; the W4A16 and W4A4 samples are also scored by the weight-QDQ
+        learner (keys ``w4a16@w_qdq``, ``w4a4@w_qdq``: the learner-side QDQ rows on-policy, with the
+        engine's drift when the rollout engine is vLLM)."""
+        from qpass.parity.behavior import logprob_gap, rescore
+
+        learner_bf16 = learners["bf16"]
 
         cfg, out = self.cfg, {}
         for name in ("bf16", "w4a16", "w16a4", "w4a4"):
@@ -430,6 +436,12 @@ class _Study:
                 g = logprob_gap(learner_bf16, graphs[name], self.prompts, **kw)
             out[name] = {**g.summary(), "tokens_per_s": g.tokens_per_s, "time_s": time.perf_counter() - t,
                          "rollout_engine": cfg.rollout_engine}
+            if name in ("w4a16", "w4a4") and "w_qdq" in learners:
+                t = time.perf_counter()
+                g2 = rescore(learners["w_qdq"], g, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                             top_p=cfg.top_p)
+                out[f"{name}@w_qdq"] = {**g2.summary(), "time_s": time.perf_counter() - t,
+                                        "rollout_engine": cfg.rollout_engine}
             self.prog.done()
         return out
 
@@ -487,7 +499,8 @@ class _Study:
                 continue
             res_pairs[key] = {"learner": lname, "rollout": rname,
                               "replay": gap_summary(pair_metrics(logp[lname], logq[rname], valid))}
-        for op, rname in (("floor", "bf16"), ("op_w4a16", "w4a16"), ("op_w16a4", "w16a4"), ("op_w4a4", "w4a4")):
+        for op, rname in (("floor", "bf16"), ("op_w4a16", "w4a16"), ("op_w16a4", "w16a4"), ("op_w4a4", "w4a4"),
+                          ("qdq_w4a16_wqdq", "w4a16@w_qdq"), ("quads_k0", "w4a4@w_qdq")):
             if rname in on_policy:
                 res_pairs[op]["on_policy"] = on_policy[rname]
         quads_key = _quads_ref_key(ratios)

@@ -209,7 +209,25 @@ def plugin_classes() -> tuple[type, type]:
                 return QpassNvfp4LinearMethod(self, prefix)
             return None
 
+    # Picklable by reference: vLLM's engine core runs in a spawned process (the default outside
+    # ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and pickles the config; the child resolves
+    # ``qpass.backends.vllm.plugin.QpassNvfp4Config`` through the module ``__getattr__`` below.
+    for c in (QpassNvfp4Config, QpassNvfp4LinearMethod):
+        c.__module__, c.__qualname__ = __name__, c.__name__
     return QpassNvfp4Config, QpassNvfp4LinearMethod
+
+
+def __getattr__(name: str) -> type:
+    """``QpassNvfp4Config`` / ``QpassNvfp4LinearMethod`` as module attributes (built on first access:
+    vLLM is imported only then), so pickle can find the classes by name.
+
+    Raises:
+        AttributeError: any other name.
+    """
+    if name in ("QpassNvfp4Config", "QpassNvfp4LinearMethod"):
+        cfg, method = plugin_classes()
+        return cfg if name == "QpassNvfp4Config" else method
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def vllm_available() -> bool:
