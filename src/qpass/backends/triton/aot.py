@@ -148,9 +148,9 @@ def variants(lib, full: bool = False):
     tgv = {"x_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"],
            "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}
     # (BN, BK, warps) of the GEMV autotune list; representative subset by default
-    gv_tiles = [(8, 512, 4), (16, 256, 4)]
+    gv_tiles = [(8, 512, 4)]
     if full:
-        gv_tiles = [(c.kwargs["BN"], c.kwargs["BK"], c.num_warps) for c in lib.nvfp4_gemv._configs(False)]
+        gv_tiles = list(lib.nvfp4_gemv.TILES)
     for (bn, bk, nw), bm, dec in itertools.product(gv_tiles, (1, 2, 4), (0, 1)):
         for pairs, split in ((True, 1), (False, 1), (True, 4)) if (bm, dec) == (1, 0) else ((True, 1),):
             c = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, HAS_BIAS=split == 1, OUT_DTYPE=tl.bfloat16, DECODE=dec,

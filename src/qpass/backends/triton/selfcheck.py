@@ -17,7 +17,8 @@ Checks, each against the plain-torch reference running on the same device:
 * CUDA-graph capture of the decode path (W4A4 + RAC) replays to the eager bits;
 * ``qpass.ops`` dispatch under ``use_kernels('triton')``.
 
-Usage: ``python -m qpass.backends.triton.selfcheck [--out report.json] [--quick]``; exit 1 on any failure.
+Usage: ``python -m qpass.backends.triton.selfcheck [--out report.json] [--quick] [--only SUBSTR]``; exit 1 on
+any failure (``--only GEMV``: the small-M GEMV checks alone).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Report:
     killed part-way still leaves the results so far.
     """
 
-    def __init__(self, path: str | None = None, meta: dict | None = None):
+    def __init__(self, path: str | None = None, meta: dict | None = None, only: str | None = None):
+        self.only = only  # run only the checks whose name contains this substring
         self.items: list[dict] = []
         self.path = path
         self.meta = dict(meta or {})
@@ -57,6 +59,8 @@ class Report:
         write_json(Path(self.path), out, indent=1)
 
     def run(self, name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+        if self.only and self.only not in name:
+            return
         t = time.monotonic()
         try:
             ok, detail = fn()
@@ -452,13 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON report here (atomically)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the random inputs (default: %(default)s)")
+    ap.add_argument("--only", default=None, help="run only the checks whose name contains this substring (e.g. GEMV)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("selfcheck needs a CUDA device", file=sys.stderr)
         return 2
     seed = args.seed
     torch.manual_seed(seed)  # fixed (--seed): a failure reproduces with the same inputs
-    rep = Report(args.out, {"seed": seed, "device": torch.cuda.get_device_name()})
+    rep = Report(args.out, {"seed": seed, "device": torch.cuda.get_device_name(), "only": args.only}, only=args.only)
     checks(rep, torch.device("cuda"), big=4096 if args.quick else 8192, quick=args.quick)
     rep.save(final=True)
     print(f"selfcheck: {'ALL PASS' if rep.ok else 'FAILURES'} ({sum(i['ok'] for i in rep.items)}/{len(rep.items)}), "

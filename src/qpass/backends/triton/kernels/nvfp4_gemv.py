@@ -209,20 +209,37 @@ MAX_M = 4  # the GEMV serves M = 1..MAX_M rows (BM = 1, 2, 4)
 SPLIT_BN = 8  # weight rows per program when K is split
 
 
+# (BN weight rows, BK columns, warps): 4 code words (32 weight elements) per thread and tile; at 8
+# words per thread the 2- and 4-row variants spill (``python -m qpass.backends.triton.aot --filter
+# gemv``). Few candidates on purpose: each is compiled per (BM, decode, bias, output dtype) variant
+# the first time a shape is seen.
+TILES = ((4, 512, 2), (8, 256, 2), (8, 512, 4), (16, 512, 8))
+
+
 def _configs(fixed_bn: bool):
-    """Autotune candidates ``(BN weight rows, BK columns, warps)`` with 2-4 code words (16-32 weight
-    elements) per thread and tile: at 8 words per thread the 2- and 4-row variants spill
-    (``python -m qpass.backends.triton.aot --filter gemv``). Under split-K ``BN`` is fixed to
-    ``SPLIT_BN`` by the launcher (the workspace and grid depend on it)."""
-    tiles = ((4, 512, 2), (4, 1024, 4), (8, 256, 2), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-             (16, 512, 8))
+    """Autotune candidates (:data:`TILES`); under split-K ``BN`` is fixed to ``SPLIT_BN`` by the
+    launcher (the workspace and grid depend on it)."""
     cfgs = []
-    for bn, bk, nw in tiles:
+    for bn, bk, nw in TILES:
         if fixed_bn and bn != SPLIT_BN:
             continue
         kw = {"BK": bk} if fixed_bn else {"BN": bn, "BK": bk}
         cfgs.append(triton.Config(kw, num_warps=nw, num_stages=1))
     return cfgs
+
+
+def fixed_tile() -> tuple[int, int, int] | None:
+    """``QPASS_NVFP4_GEMV_TILE=BN,BK,WARPS`` pins the GEMV tile (no autotuning; e.g. the pick recorded
+    in ``bench.json`` ``meta.autotune``); unset: autotune over :data:`TILES`."""
+    import os
+
+    v = os.environ.get("QPASS_NVFP4_GEMV_TILE")
+    if not v:
+        return None
+    bn, bk, nw = (int(t) for t in v.split(","))
+    if bk % 16 or bk < 16 or bn < 1 or nw < 1:
+        raise ValueError(f"QPASS_NVFP4_GEMV_TILE must be BN,BK,WARPS with BK a multiple of 16, got {v!r}")
+    return bn, bk, nw
 
 
 def _bench(fn, quantiles):
@@ -281,6 +298,9 @@ def launch_nvfp4_gemv(a, w_codes, w_scales, w_sdec, out, *, bias=None, num_sms=1
     out_dt = _out_tl_dtype(out.dtype)
     dummy = w_sdec
     split = split_k or (1 if INTERP else gemv_split(n, k, num_sms))
+    pinned = None if (INTERP or bn is not None or bk is not None) else fixed_tile()
+    if pinned is not None:
+        bn, bk, num_warps = pinned[0] if split == 1 else SPLIT_BN, pinned[1], pinned[2]
     fixed = INTERP or bn is not None or bk is not None
     if INTERP:
         bn, bk, num_warps = bn or 8, bk or 64, num_warps or 1
