@@ -209,11 +209,14 @@ MAX_M = 4  # the GEMV serves M = 1..MAX_M rows (BM = 1, 2, 4)
 SPLIT_BN = 8  # weight rows per program when K is split
 
 
-# (BN weight rows, BK columns, warps): 4 code words (32 weight elements) per thread and tile; at 8
-# words per thread the 2- and 4-row variants spill (``python -m qpass.backends.triton.aot --filter
-# gemv``). Few candidates on purpose: each is compiled per (BM, decode, bias, output dtype) variant
-# the first time a shape is seen.
-TILES = ((4, 512, 2), (8, 256, 2), (8, 512, 4), (16, 512, 8))
+# (BN weight rows, BK columns, warps): 2-4 code words (16-32 weight elements) per thread and tile.
+# Checked in the sm_90 compile (``python -m qpass.backends.triton.aot --full --filter gemv``,
+# ``tests/test_triton_aot.py``): no spills, and no shared memory in the K loop - the scale bytes land
+# in the threads that hold their words. Not every tile has that property: 4 x 512 on 2 warps,
+# 4 x 256 on 1 and 4 x 1024 on 4 convert a tile through shared memory every iteration; at 8 words
+# per thread the 2- and 4-row variants spill. Few candidates on purpose: each is compiled per
+# (BM, decode, bias, output dtype) variant the first time a shape is seen.
+TILES = ((4, 512, 4), (8, 256, 2), (8, 512, 4), (16, 512, 8))
 
 
 def _configs(fixed_bn: bool):
