@@ -198,3 +198,13 @@ def test_gemv_split_heuristic():
     assert GV.gemv_split(576, 1536, 132) == 1
     assert GV.gemv_split(256, 8192, 132) == 4  # 32 programs of 8 rows: 4 splits of 2048 columns
     assert triton.cdiv(256, GV.SPLIT_BN) * GV.gemv_split(256, 8192, 132) <= 132
+
+
+def test_gemv_k_shorter_than_a_tile():
+    """K = 48 < the 64-wide interpreter tile: no full tile (the prefetched first tile is masked
+    off), only the ragged one; N = 9: one full 8-row program and one with 1 row."""
+    seed = fresh_seed()
+    w = nvfp4_quantize(torch.randn(9, 48) * 0.05)
+    wh = nvfp4_dequantize(w, torch.bfloat16).double()
+    x = activations(2, 48, torch.bfloat16)
+    assert rel_fro(_gemv(x, w), x.double() @ wh.t()) < 1e-5, seed

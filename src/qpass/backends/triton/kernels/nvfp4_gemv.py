@@ -11,11 +11,13 @@ the tensor cores compute); fp16/fp32 activations are multiplied as float32 (one 
 FMA, as in the GEMM's IEEE float32 dot).
 
 Layout: a program owns ``BN`` weight rows and walks its split's K tiles; a tile is
-``[BN, BK/16, 2]`` code words. The 8 elements of a word are never interleaved back into K order
+``[BN, BK/8]`` int32 code words (16-byte loads). The 8 elements of a word are never interleaved back into K order
 (no ``join``/``reshape``): element ``j`` of every word multiplies the activation column
-``16 b + 8 w + j`` loaded for exactly that slot, so the decoded tile stays in the registers that
-loaded its bytes. Each activation row has its own ``[BN, BK/16, 2]`` float32 accumulator (one
-``fma`` per element and row); the tile-wise sums are reduced once at the end.
+``8 w + j`` of the tile loaded for exactly that slot, so the decoded tile stays in the registers that
+loaded its bytes. Each activation row has its own ``[BN, BK/8]`` float32 accumulator (one
+``fma`` per element and row); the tile-wise sums are reduced once at the end. The next tile's code
+words and scale bytes are loaded before the current tile is decoded (a register double buffer: two
+tiles of weight bytes in flight per thread).
 
 Summation order (deterministic, no atomics): each accumulator slot sums its products over the K
 tiles of the split in K order, element ``j = 0..7`` of a word in turn; the slots are then reduced
@@ -100,11 +102,12 @@ def _gemv_row(acc, m: tl.constexpr, x_ptr, stride_xm, M, kpos, kmask, e0, e1, e2
 
 
 @triton.jit
-def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, K, nmask, kb, kw, sdec,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr,
-               X_PAIRS: tl.constexpr):
-    """One K tile at ``k0``: load and decode ``[BN, BK/16, 2]`` code words once, ``fma`` them into
-    the accumulator of each of the ``BM`` activation rows."""
+def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, K, nmask, kb, kw, sdec, words_in,
+               s_in, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr,
+               X_PAIRS: tl.constexpr, PRELOADED: tl.constexpr):
+    """One K tile at ``k0``: decode its ``[BN, BK/8]`` code words once (loaded here, or already in
+    ``words_in`` / ``s_in`` with ``PRELOADED``), ``fma`` them into the accumulator of each of the
+    ``BM`` activation rows."""
     kpos = k0 + kw * 8  # first K column of every word  [BK/8]
     if MASK_K:
         kmask = kpos < K
@@ -114,11 +117,18 @@ def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, 
         wmask = nmask[:, None]
         smask = nmask[:, None]
         kmask = None
-    words = tl.load(w_base + k0 // 8, mask=wmask, other=0)
+    if PRELOADED:
+        words = words_in
+    else:
+        words = tl.load(w_base + k0 // 8, mask=wmask, other=0)
     # one scale byte (and, with LUT, one 4-register table) per 16-element block, duplicated in
     # registers to the block's two words (``join`` + ``reshape``: both copies land in the thread
     # that holds both words, so there is no shared-memory layout conversion)
-    s2 = e4m3_value(tl.load(s_base + k0 // 16, mask=smask, other=0).to(tl.int32))  # [BN, BK/16]
+    if PRELOADED:
+        s_raw = s_in
+    else:
+        s_raw = tl.load(s_base + k0 // 16, mask=smask, other=0)
+    s2 = e4m3_value(s_raw.to(tl.int32))  # [BN, BK/16]
     if LUT:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
             _LUT_TABLE_ASM, "=r,=r,=r,=r,f,f", [s2, tl.broadcast_to(sdec, s2.shape)],
@@ -186,13 +196,25 @@ def _nvfp4_gemv_kernel(
     acc2 = acc0
     acc3 = acc0
     k_full = (K // BK) * BK
-    for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K):
+    step = BK * SPLIT_K
+    # full tiles, the next tile's code words and scale bytes loaded (register double buffer) before
+    # this tile is decoded: two tiles of weight bytes in flight per thread instead of one
+    k_first = pid_k * BK
+    words = tl.load(w_base + k_first // 8, mask=nmask[:, None] & (k_first < k_full), other=0)
+    s_raw = tl.load(s_base + k_first // 16, mask=nmask[:, None] & (k_first < k_full), other=0)
+    for k0 in tl.range(ub(k_first), ub(k_full), step):
+        kn = k0 + step
+        words_n = tl.load(w_base + kn // 8, mask=nmask[:, None] & (kn < k_full), other=0)
+        s_n = tl.load(s_base + kn // 16, mask=nmask[:, None] & (kn < k_full), other=0)
         acc0, acc1, acc2, acc3 = _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, K, nmask,
-                                            kb, kw, sdec, BM, BN, BK, False, LUT, X_PAIRS)
-    if k_full < K:
+                                            kb, kw, sdec, words, s_raw, BM, BN, BK, False, LUT, X_PAIRS, True)
+        words = words_n
+        s_raw = s_n
+    if k_full < K:  # the ragged last tile (whole 16-blocks masked)
         if (k_full // BK) % SPLIT_K == pid_k:
             acc0, acc1, acc2, acc3 = _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k_full, K,
-                                                nmask, kb, kw, sdec, BM, BN, BK, True, LUT, X_PAIRS)
+                                                nmask, kb, kw, sdec, words, s_raw, BM, BN, BK, True, LUT, X_PAIRS,
+                                                False)
     _gemv_out(acc0, 0, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K, HAS_BIAS, OUT_DTYPE)
     if BM > 1:
         _gemv_out(acc1, 1, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K, HAS_BIAS,
