@@ -5,16 +5,17 @@ Same operands and semantics as :mod:`.nvfp4_gemm` without the RAC second segment
 decode global scale; the weight is decoded in registers exactly as the reference does
 (``bf16(fl(fl(e2m1 * s_b) * s_dec))``, either the arithmetic decode or the ``lut`` table + byte
 permute decode of :mod:`.nvfp4_gemm`, same bits), and multiplied with the activation rows in IEEE
-float32: ``acc = fma(w, x, acc)``. For bf16 activations each product of two bf16 values is exact
-in float32, so the fused multiply-add rounds exactly like a separate add of the exact product (what
-the tensor cores compute); fp16/fp32 activations are multiplied as float32 (one rounding in the
-FMA, as in the GEMM's IEEE float32 dot).
+float32: ``acc = fma(w, x, acc)``. For bf16 (and fp16) activations the product with a bf16 weight
+is exact in float32 (at most 16 / 19 significant bits; barring underflow below float32's range), so
+the fused multiply-add rounds exactly like a separate add of the exact product (what the tensor
+cores compute); fp32 activations are multiplied as float32 (one rounding in the FMA, as in the
+GEMM's IEEE float32 dot).
 
 Layout: a program owns ``BN`` weight rows and walks its split's K tiles; a tile is
-``[BN, BK/8]`` int32 code words (16-byte loads). The 8 elements of a word are never interleaved back into K order
-(no ``join``/``reshape``): element ``j`` of every word multiplies the activation column
-``8 w + j`` of the tile loaded for exactly that slot, so the decoded tile stays in the registers that
-loaded its bytes. Each activation row has its own ``[BN, BK/8]`` float32 accumulator (one
+``[BN, BK/8]`` int32 code words (16-byte loads). The 8 elements of a word are never interleaved
+back into K order (no ``join``/``reshape``): element ``j`` of every word multiplies the activation
+column ``8 w + j`` of the tile loaded for exactly that slot, so the decoded tile stays in the
+registers that loaded its bytes. Each activation row has its own ``[BN, BK/8]`` float32 accumulator (one
 ``fma`` per element and row); the tile-wise sums are reduced once at the end. The next tile's code
 words and scale bytes are loaded before the current tile is decoded (a register double buffer: two
 tiles of weight bytes in flight per thread).
