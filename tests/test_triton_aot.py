@@ -68,3 +68,38 @@ def test_two_level_autotune_drops_spilling_tiles_for_dense_rac():
     assert len(kept) == len(cfgs) - len(wide)
     assert g._prune(cfgs, {}, SEG2=2, PROMOTE_K=g.PROMOTE_K_LARGE) == cfgs
     assert g._prune(cfgs, {}, SEG2=1, PROMOTE_K=0) == cfgs
+
+
+def _loop_bodies(ptx: str) -> list[str]:
+    """PTX text of every loop: from a label to a later branch back to it."""
+    import re
+
+    bodies = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):", ptx, re.M):
+        back = re.search(r"bra(?:\.uni)?\s+" + re.escape(m.group(1)) + ";", ptx[m.end():])
+        if back:
+            bodies.append(ptx[m.end(): m.end() + back.start()])
+    return bodies
+
+
+def test_gemv_compiles_without_spills_or_shared_memory_in_its_k_loop():
+    """The small-M GEMV at its autotune tiles: no spills, and its K loop never goes through shared
+    memory (no layout conversion of the code words, scales or activations per tile: the design
+    keeps every decoded element in the thread that loaded its word)."""
+    lib = kernel_lib(torch.device("cuda"))
+    wanted = {"gemv[bm=1,bn=8,bk=512,w=4,split=4]", "gemv[bm=2,bn=8,bk=512,w=4,lut]"}
+    for bn, bk, nw in lib.nvfp4_gemv.TILES:  # every autotune tile, 1 row / arithmetic and 4 rows / lut decode
+        wanted |= {f"gemv[bm=1,bn={bn},bk={bk},w={nw}]", f"gemv[bm=4,bn={bn},bk={bk},w={nw},lut]"}
+    seen = set()
+    for name, fn, sig, consts, nw, ns in aot.variants(lib, full=True):
+        if name in wanted:
+            ck = aot.compile_variant(fn, sig, consts, nw, ns)
+            usage, sass = aot.resource_usage(ck.asm["cubin"])
+            assert "LOCAL=0" in usage and "STACK=0" in usage, (name, usage)
+            loops = _loop_bodies(ck.asm["ptx"])
+            assert loops, name
+            for body in loops:
+                assert "bar.sync" not in body and "st.shared" not in body and "ld.shared" not in body, name
+                assert "ld.global.v4.b32" in body or "ld.global.v2.b32" in body, name  # code words: vector loads
+            seen.add(name)
+    assert seen == wanted, seen

@@ -98,3 +98,17 @@ def test_bench_full_code_path_smoke_cpu(tmp_path):
     assert {r["k"] for r in peer if r["time_us"]} == {128} and all(r["mode"].startswith("n/a") for r in peer if r["k"] == 96)
     assert all(0 < r["extra"]["rel_err_vs_own_dequant"] < 1e-2 and r["vs_bf16"] for r in peer if r["time_us"])
     assert any("vs the best 4-bit peer" in t["name"] for t in data["targets"])
+
+
+def test_bench_gemv_only_smoke_cpu(tmp_path):
+    """``--gemv-only``: just the decode M <= 4 grid, the GEMV and the GEMM path side by side."""
+    out = tmp_path / "gemv.json"
+    assert bench.run(bench.BenchOptions(smoke=True, out=str(out), budget_s=3600, gemv_only=True)) == 0
+    data = json.loads(out.read_text())
+    assert not data["errors"], data["errors"]
+    rows = data["rows"]
+    assert {r["m"] for r in rows} == {1, 4}
+    assert {"w4a16 triton [gemv]", "w4a16 triton [gemm]", "w4a4 triton [gemv]", "bf16 cuBLAS"} <= {r["name"] for r in rows}
+    assert {r["section"] for r in rows} == {"decode (Llama-8B shapes)", "SmolLM2-135M shapes"}
+    assert all(r["time_us"] for r in rows if "triton" in r["name"])
+    assert any(t["name"].startswith("w4a16 triton [gemv] / gemm path") for t in data["targets"])

@@ -14,7 +14,7 @@ def test_selfcheck_tiny_passes_on_the_interpreter():
     rep = Report()
     checks(rep, torch.device("cpu"), big=64, tiny=True)
     names = [i["name"] for i in rep.items]
-    assert len(names) == 17 and any("RAC" in n and "GEMM" in n for n in names), names  # no CUDA-graph check on CPU
+    assert len(names) == 22 and any("RAC" in n and "GEMM" in n for n in names), names  # no CUDA-graph check on CPU
     failed = [(i["name"], i["detail"]) for i in rep.items if not i["ok"]]
     assert not failed, failed
 

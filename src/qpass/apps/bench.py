@@ -25,6 +25,8 @@ def build_bench_parser(prog: str = "qpass bench") -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md)")
     ap.add_argument("--budget-s", type=pos_float, default=300.0, help="wall-clock budget of the full benchmark, seconds")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
+    ap.add_argument("--gemv-only", action="store_true",
+                    help="only the decode M <= 4 grid (small-M GEMV vs the GEMM path, BF16, FP8, INT4 peers)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # full code path on CPU, toy sizes
     add_threads(ap)
     add_verbose(ap)
@@ -45,4 +47,5 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    return bench.run(bench.BenchOptions(quick=a.quick, out=a.out, budget_s=a.budget_s, seed=a.seed, smoke=a.smoke))
+    return bench.run(bench.BenchOptions(quick=a.quick, out=a.out, budget_s=a.budget_s, seed=a.seed, smoke=a.smoke,
+                                        gemv_only=a.gemv_only))

@@ -144,6 +144,21 @@ def variants(lib, full: bool = False):
                      DECODE=dec, PROMOTE_K=small_k)
             yield (f"gemm_{adt}_input{'[lut]' if dec else ''}", gm, _sig(gm, dict(tgm, a_ptr=P[adt], out_ptr=P[odt]), c),
                    c, 4, 4)
+    gv = lib.nvfp4_gemv._nvfp4_gemv_kernel
+    tgv = {"x_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"],
+           "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}
+    # (BN, BK, warps) of the GEMV autotune list; representative subset by default
+    gv_tiles = [(8, 512, 4)]
+    if full:
+        gv_tiles = list(lib.nvfp4_gemv.TILES)
+    for (bn, bk, nw), bm, dec in itertools.product(gv_tiles, (1, 2, 4), (0, 1)):
+        for pairs, split in ((True, 1), (False, 1), (True, 4)) if (bm, dec) == (1, 0) else ((True, 1),):
+            c = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, HAS_BIAS=split == 1, OUT_DTYPE=tl.bfloat16, DECODE=dec,
+                     X_PAIRS=pairs)
+            yield (f"gemv[bm={bm},bn={bn},bk={bk},w={nw}{',lut' if dec else ''}{'' if pairs else ',x16'}"
+                   f"{f',split={split}' if split > 1 else ''}]", gv, _sig(gv, tgv, c), c, nw, False)
+    c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=False, OUT_DTYPE=tl.float32, DECODE=0, X_PAIRS=False)
+    yield "gemv_f32_input[bm=1,bn=8,bk=512,w=4]", gv, _sig(gv, dict(tgv, x_ptr=P["f32"], out_ptr=P["f32"]), c), c, 4, False
     red = lib.nvfp4_gemm._splitk_reduce_kernel
     for odt, tdt in (("bf16", tl.bfloat16), ("f32", tl.float32)):
         c = dict(SPLIT_K=4, HAS_BIAS=True, OUT_DTYPE=tdt, BLOCK=1024)

@@ -50,7 +50,11 @@ ROTATE_BYTES = 2 * L2_BYTES
 LLAMA8B_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 MOE_SHAPES = [(1536, 2048), (2048, 768)]
 SMOLLM_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # q/o, k/v, gate/up, down
-DECODE_M = [1, 8, 16, 32, 64, 128]
+DECODE_M = [1, 2, 4, 8, 16, 32, 64, 128]
+# the small-M GEMV and the old tensor-core GEMM path, both forced, at decode M <= 4
+GEMV_CONTENDERS = ("w4a16 triton [gemv]", "w4a16 triton [gemv, lut decode]", "w4a16 triton [gemm]",
+                   "w4a16 triton [gemm, lut decode]", "w4a4 triton [gemv]", "w4a4 triton [gemv, lut decode]",
+                   "w4a4 triton [gemm]", "w4a4 triton [gemm, lut decode]")
 PREFILL_M = [1024, 4096, 16384]
 
 
@@ -403,6 +407,17 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
         "w4a16 triton [lut decode]": on_w4(w4a16_linear_triton, decode="lut"),
         "w4a4 triton [lut decode]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, decode="lut"),
         "w4a4+RAC50 gathered/batch triton": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, rac=rac),
+        # decode M <= 4: the two routes forced side by side (the plain names above take the default
+        # route, which is the GEMV there on CUDA): the small-M GEMV (CUDA-core FMAs) and the old
+        # tensor-core GEMM path
+        "w4a16 triton [gemv]": on_w4(w4a16_linear_triton, gemv=True),
+        "w4a16 triton [gemv, lut decode]": on_w4(w4a16_linear_triton, gemv=True, decode="lut"),
+        "w4a4 triton [gemv]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, gemv=True),
+        "w4a4 triton [gemv, lut decode]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, gemv=True, decode="lut"),
+        "w4a16 triton [gemm]": on_w4(w4a16_linear_triton, gemv=False),
+        "w4a16 triton [gemm, lut decode]": on_w4(w4a16_linear_triton, gemv=False, decode="lut"),
+        "w4a4 triton [gemm]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, gemv=False),
+        "w4a4 triton [gemm, lut decode]": on_w4(w4a4_linear_triton, act_spec=NVFP4_ACT, gemv=False, decode="lut"),
         # the same kernels with the whole K sum in the tensor-core accumulator (accumulation="mma"):
         # the cost of the default two-level accumulation, measured in the same run
         "w4a16 triton [mma accum]": on_w4(w4a16_linear_triton, accumulation="mma"),
@@ -527,7 +542,8 @@ def _targets(res: Results) -> None:
         for r in (r for r in peer_rows if r.m == m):
             if (r.n, r.k) not in best or r.time_us < best[(r.n, r.k)].time_us:
                 best[(r.n, r.k)] = r
-        for kern in ("w4a16 triton", "w4a16 triton [lut decode]"):
+        for kern in ("w4a16 triton", "w4a16 triton [lut decode]", "w4a16 triton [gemv]",
+                     "w4a16 triton [gemv, lut decode]", "w4a16 triton [gemm]"):
             ratios = [b.time_us / o.time_us for (n_, k_), b in best.items()
                       for o in [res.find(dec_sec, kern, m, n_, k_)] if o is not None and o.time_us]
             if ratios:
@@ -535,6 +551,21 @@ def _targets(res: Results) -> None:
                            "goal": ">= 1.0x", "measured": f"min {min(ratios):.2f}x, geomean {geo(ratios):.2f}x over "
                            f"{len(ratios)} (peers: {', '.join(sorted({b.name for b in best.values()}))})",
                            "met": min(ratios) >= 1.0})
+    # the GEMV vs the old path, same run (no target: the speed-up the small-M route buys)
+    for sec in (dec_sec, "SmolLM2-135M shapes"):
+        for new_, old_ in (("w4a16 triton [gemv]", "w4a16 triton [gemm]"),
+                           ("w4a16 triton [gemv, lut decode]", "w4a16 triton [gemm, lut decode]"),
+                           ("w4a4 triton [gemv]", "w4a4 triton [gemm]")):
+            for m in sorted({r.m for r in res.rows if r.section == sec and r.name == new_ and r.time_us}):
+                pairs = [(o.time_us, r.time_us) for r in res.rows if r.section == sec and r.name == new_ and r.m == m
+                         and r.time_us for o in [res.find(sec, old_, m, r.n, r.k)] if o is not None and o.time_us]
+                vb = [r.vs_bf16 for r in res.rows if r.section == sec and r.name == new_ and r.m == m and r.vs_bf16]
+                if pairs:
+                    tg.append({"name": f"{new_} / {old_.split(' [')[1][:-1]} path, {sec.split(' (')[0]} M={m}",
+                               "goal": "(GEMV speed-up; no target)",
+                               "measured": f"time(GEMM path) / time(GEMV) = {geo([a / b for a, b in pairs]):.2f} "
+                                           f"(geomean over {len(pairs)} shapes)"
+                                           + (f"; GEMV vs BF16 min {min(vb):.2f}x" if vb else ""), "met": None})
     for kern in ("w4a4 triton", "w4a4 triton [lut decode]"):
         vals = [r.vs_bf16 for r in res.rows if r.section == "prefill (Llama-8B shapes)" and r.name == kern
                 and r.m >= 4096 and r.vs_bf16]
@@ -559,7 +590,8 @@ def _autotune_report() -> dict:
 
     lib = kernel_lib(_dev())
     out = {}
-    for mod, names in ((lib.nvfp4_gemm, ("_gemm_small", "_gemm_large")), (lib.nvfp4_quant, ("_quant_tuned",)),
+    for mod, names in ((lib.nvfp4_gemm, ("_gemm_small", "_gemm_large")), (lib.nvfp4_gemv, ("_gemv_auto", "_gemv_split")),
+                       (lib.nvfp4_quant, ("_quant_tuned",)),
                        (lib.rac, ("_masked_tuned",)), (lib.fp8, ("_fp8_gemm_tuned",))):
         for nm in names:
             tuner = getattr(mod, nm, None)
@@ -595,13 +627,15 @@ def run_full(args) -> Results:
     if SMOKE["on"]:
         res.meta.update(mode="smoke (CPU interpreter, toy sizes, no timings)", device="cpu")
         llama, moe, smol, act_mk = [(64, 96), (32, 128)], [(48, 32)], [(32, 48)], (64, 128)
-        dec_m, pre_m, big_m = (1, 4), 32, 48
+        dec_m, pre_m, big_m = (1, 8), 32, 48
+        gemv_m = (1, 4)
     else:
         dev = torch.device("cuda")
         props = torch.cuda.get_device_properties(dev)
         res.meta.update(mode="full", device=props.name, sms=props.multi_processor_count)
         llama, moe, smol, act_mk = LLAMA8B_SHAPES, MOE_SHAPES, SMOLLM_SHAPES, (16384, 4096)
         dec_m, pre_m, big_m = (1, 16), 4096, 16384
+        gemv_m = (1, 2, 4)
     res.meta.update(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                     budget_s=args.budget_s)
     torch.manual_seed(0)
@@ -632,10 +666,26 @@ def run_full(args) -> Results:
         res.meta["peers_not_installed"] = [p for p in PEERS if p not in peers]
     dec = "decode (Llama-8B shapes)"
     pre = "prefill (Llama-8B shapes)"
-    step("act quant", bench_act_quant, res, cal, budget, *act_mk)
+    gemv_only = bool(getattr(args, "gemv_only", False))
+    res.meta["gemv_only"] = gemv_only
+    if not gemv_only:
+        step("act quant", bench_act_quant, res, cal, budget, *act_mk)
     n0, k0 = llama[0]
+    # decode M <= 4: the GEMV against the old GEMM path, BF16, FP8 and the 4-bit peers, one run
+    for m in gemv_m:
+        for n, k in llama:
+            step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k,
+                 ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a16 triton") + GEMV_CONTENDERS + peers)
+    for m in gemv_m:
+        for n, k in smol:
+            step(f"smollm M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "SmolLM2-135M shapes", m, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton") + GEMV_CONTENDERS + peers)
+    if gemv_only:  # the rest of the grid is not run (not recorded as skipped either)
+        return _finish(res, t0)
     mma = ("w4a16 triton [mma accum]", "w4a4 triton [mma accum]")
     for m in dec_m:
+        if m in gemv_m:
+            continue
         for n, k in llama:
             extra = ("w4a4+RAC50 gathered/batch triton",) + mma if m == dec_m[-1] else ()
             extra += ("torch chain w4a4 (qpass.quant.linear)",) if (m, n, k) == (dec_m[-1], n0, k0) else ()
@@ -661,10 +711,15 @@ def run_full(args) -> Results:
         for n, k in moe:
             step(f"moe M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "MoE expert shapes", m, n, k,
                  ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton"))
-    for m in (1, dec_m[-1], pre_m // 4):
+    for m in (dec_m[-1], pre_m // 4):
         for n, k in smol:
             step(f"smollm M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "SmolLM2-135M shapes", m, n, k,
                  ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+    return _finish(res, t0)
+
+
+def _finish(res: Results, t0: float) -> Results:
+    """Targets, the autotuners' picks and the run's wall time, once every step has run."""
     _targets(res)
     try:
         res.meta["autotune"] = _autotune_report()
@@ -707,8 +762,8 @@ def run_quick(args) -> Results:
     x = _acts(m, k, dev)
     sec = "quick correctness (interpreter)"
 
-    def check(name, ok: bool, **extra):
-        res.add(Row(sec, name, m, n, k, mode="pass" if ok else "FAIL", extra=extra))
+    def check(name, ok: bool, rows: int | None = None, **extra):
+        res.add(Row(sec, name, rows or m, n, k, mode="pass" if ok else "FAIL", extra=extra))
         if not ok:
             res.errors.append(f"{name}: mismatch (seed {seed})")
 
@@ -739,6 +794,17 @@ def run_quick(args) -> Results:
     xh = nvfp4_dequantize(nvfp4_quantize(xf, spec=NVFP4_ACT), torch.bfloat16).double()
     e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT), xh @ wh.t())
     check("w4a4 GEMM vs fp64", e < 1e-5, rel_err=e)
+    # the small-M GEMV (forced: under the interpreter the default route is the GEMM), M = 1 and 3
+    # (the 4-row kernel with a masked row), bf16 activations and the W4A4 x_hat operand
+    for mg in (1, 3):
+        xg = x[:mg]
+        e = rel(w4a16_linear_triton(xg, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, gemv=True),
+                xg.double() @ wh.t())
+        check(f"w4a16 GEMV M={mg} vs fp64", e < 1e-5, rows=mg, rel_err=e)
+    xg = xf[:2]
+    xgh = nvfp4_dequantize(nvfp4_quantize(xg, spec=NVFP4_ACT), torch.bfloat16).double()
+    e = rel(w4a4_linear_triton(xg, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, gemv=True), xgh @ wh.t())
+    check("w4a4 GEMV M=2 vs fp64", e < 1e-5, rows=2, rel_err=e)
     cfg = RACConfig(0.5, "masked", "batch")
     rr = rac_reference(xf, cfg, NVFP4_ACT)
     e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, rac=cfg),
@@ -766,6 +832,8 @@ class BenchOptions:
         budget_s: wall-clock budget of the full benchmark, seconds.
         seed: torch seed of the ``quick`` inputs.
         smoke: the full-benchmark code path on CPU at toy sizes (no timings).
+        gemv_only: only the decode M <= 4 grid (the small-M GEMV against the GEMM path, BF16, FP8
+            and the 4-bit peers, Llama-8B and SmolLM2 shapes) after the calibration.
     """
 
     quick: bool = False
@@ -773,6 +841,7 @@ class BenchOptions:
     budget_s: float = 300.0
     seed: int = 0
     smoke: bool = False
+    gemv_only: bool = False
 
 
 def run(opts: BenchOptions) -> int:

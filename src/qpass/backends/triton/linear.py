@@ -24,7 +24,7 @@ from qpass.formats.spec import FP8Spec, Granularity, NVFP4Spec
 from qpass.quant.nvfp4 import BLOCK, act_operand_limit
 from qpass.quant.rac import RACConfig, rac_num_channels
 from qpass.backends.triton._config import sync_checks_enabled
-from qpass.backends.triton._loader import kernel_lib
+from qpass.backends.triton._loader import kernel_lib, wants_interpreter
 from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, fp8_quantize_triton, raise_if_nonfinite
 from qpass.backends.triton.rac import rac_run
 
@@ -49,11 +49,48 @@ def _weight_parts(w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.
     return w_codes.contiguous(), sc.contiguous(), sdec.contiguous()
 
 
-def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None, accumulation=None):
+GEMV_MODES = ("auto", "on", "off")
+
+
+def default_gemv() -> str:
+    """Small-M GEMV routing: ``QPASS_NVFP4_GEMV`` = ``auto`` (default: the GEMV for M <= 4 on CUDA),
+    ``on`` (also under the CPU interpreter) or ``off`` (always the tensor-core GEMM)."""
+    name = os.environ.get("QPASS_NVFP4_GEMV", "auto")
+    if name not in GEMV_MODES:
+        raise ValueError(f"QPASS_NVFP4_GEMV must be one of {GEMV_MODES}, got {name!r}")
+    return name
+
+
+def _use_gemv(lib, a, w_codes, a2, gemv: bool | None, accumulation: str | None) -> bool:
+    """Whether this call runs the GEMV (:mod:`...kernels.nvfp4_gemv`) instead of the GEMM.
+
+    ``gemv`` True / False forces it (True still needs a call the GEMV serves: no RAC second segment,
+    M <= 4, aligned code rows); None follows :func:`default_gemv`, where ``auto`` takes it on CUDA
+    unless the accumulation asked for is ``mma`` (a property of the tensor-core GEMM only).
+    """
+    if a2 is not None or not lib.nvfp4_gemv.gemv_supported(a, w_codes):
+        return False
+    if gemv is not None:
+        return bool(gemv)
+    mode = default_gemv()
+    if mode == "off":
+        return False
+    if (accumulation or lib.nvfp4_gemm.default_accumulation()) == "mma":
+        return False
+    return mode == "on" or (a.device.type == "cuda" and not wants_interpreter(a.device))
+
+
+def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None, accumulation=None,
+          gemv=None):
     m = a.shape[0]
     out = torch.empty(m, w_codes.shape[0], dtype=out_dtype, device=a.device)
     b = None if bias is None else bias.contiguous()
-    kernel_lib(a.device).nvfp4_gemm.launch_nvfp4_gemm(
+    lib = kernel_lib(a.device)
+    if _use_gemv(lib, a, w_codes, a2, gemv, accumulation):
+        lib.nvfp4_gemv.launch_nvfp4_gemv(a, w_codes, w_scales, sdec, out, bias=b, num_sms=_num_sms(a.device),
+                                         decode=decode or lib.nvfp4_gemm.default_decode())
+        return out
+    lib.nvfp4_gemm.launch_nvfp4_gemm(
         a, w_codes, w_scales, sdec, out, bias=b, a2=a2, gidx=gidx, num_sms=_num_sms(a.device), decode=decode,
         accumulation=accumulation,
     )
@@ -63,7 +100,7 @@ def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, de
 def w4a16_linear_triton(
     x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
     bias: torch.Tensor | None = None, *, site: str | None = None, out_dtype: torch.dtype | None = None,
-    decode: str | None = None, accumulation: str | None = None,
+    decode: str | None = None, accumulation: str | None = None, gemv: bool | None = None,
 ) -> torch.Tensor:
     """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``out_dtype or x.dtype``.
 
@@ -78,12 +115,16 @@ def w4a16_linear_triton(
         accumulation: ``"two_level"`` (each K tile summed on the tensor cores, then added to the
             float32 accumulator with IEEE round-to-nearest) or ``"mma"`` (the whole K sum in the
             tensor-core accumulator); default ``QPASS_GEMM_ACCUMULATION`` or ``"two_level"``.
+            Does not apply to the GEMV, which sums in IEEE float32 FMAs.
+        gemv: True / False forces / forbids the small-M GEMV (M <= 4 rows, CUDA-core FMAs; same
+            error contract as the GEMM, see ``kernels/nvfp4_gemv.py``); None: ``QPASS_NVFP4_GEMV``
+            (``auto``: the GEMV for M <= 4 on CUDA unless ``accumulation`` is ``"mma"``).
     Source: ``qpass.quant.linear.w4a16_linear_reference``.
     """
     k = x.shape[-1]
     codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
     x2 = as_rows(x)
-    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode, accumulation=accumulation)
+    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode, accumulation=accumulation, gemv=gemv)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -108,7 +149,7 @@ def w4a4_linear_triton(
     x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
     bias: torch.Tensor | None = None, *, act_spec: NVFP4Spec, rac: RACConfig | None = None,
     static_channels: torch.Tensor | None = None, site: str | None = None, out_dtype: torch.dtype | None = None,
-    decode: str | None = None, accumulation: str | None = None,
+    decode: str | None = None, accumulation: str | None = None, gemv: bool | None = None,
 ) -> torch.Tensor:
     """W4A4 linear with dynamic NVFP4 activation quantization and optional RAC.
 
@@ -119,7 +160,8 @@ def w4a4_linear_triton(
         rac: residual compensation options (None or 0 channels: plain W4A4).
         static_channels: calibrated channels for ``rac.selection == 'static'``.
         out_dtype: output dtype (default ``x.dtype``).
-        decode, accumulation: as :func:`w4a16_linear_triton`.
+        decode, accumulation, gemv: as :func:`w4a16_linear_triton` (the GEMV runs on the decoded
+            ``x_hat``; with RAC the GEMM's second segment is needed, so RAC never takes the GEMV).
     Returns:
         ``[..., N]`` in ``out_dtype or x.dtype``.
     Source: ``qpass.quant.linear.w4a4_linear_reference``.
@@ -130,7 +172,7 @@ def w4a4_linear_triton(
     x2 = as_rows(x)
     if rac is None or rac_num_channels(k, rac.ratio) == 0:  # the reference's plain-W4A4 rule
         y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode,
-                  accumulation=accumulation)
+                  accumulation=accumulation, gemv=gemv)
     else:
         ops = rac_run(x2, rac, act_spec, static_channels=static_channels, site=site, outputs="gemm")
         y = _gemm(ops.x_hat, codes, scales, sdec, bias, out_dtype or x.dtype, a2=ops.comp, gidx=ops.gather_idx,

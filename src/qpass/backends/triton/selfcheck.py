@@ -11,11 +11,14 @@ Checks, each against the plain-torch reference running on the same device:
   permutes), bit for bit via one-hot activation rows;
 * GEMMs: relative Frobenius error vs an fp64 product of the same dequantized operands (< 1e-5)
   for W4A16, W4A4 (+RAC) at decode and prefill sizes and a K that is not a multiple of any tile;
+  the small-M GEMV (M = 1..4, Llama-8B / SmolLM2 / ragged shapes, both decodes) to the same bound,
+  its repeated calls bit-identical, its bf16 output within rounding of the reference;
   FP8 paths (``torch._scaled_mm`` blockwise and the Triton kernels) report their error;
 * CUDA-graph capture of the decode path (W4A4 + RAC) replays to the eager bits;
 * ``qpass.ops`` dispatch under ``use_kernels('triton')``.
 
-Usage: ``python -m qpass.backends.triton.selfcheck [--out report.json] [--quick]``; exit 1 on any failure.
+Usage: ``python -m qpass.backends.triton.selfcheck [--out report.json] [--quick] [--only SUBSTR]``; exit 1 on
+any failure (``--only GEMV``: the small-M GEMV checks alone).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Report:
     killed part-way still leaves the results so far.
     """
 
-    def __init__(self, path: str | None = None, meta: dict | None = None):
+    def __init__(self, path: str | None = None, meta: dict | None = None, only: str | None = None):
+        self.only = only  # run only the checks whose name contains this substring
         self.items: list[dict] = []
         self.path = path
         self.meta = dict(meta or {})
@@ -55,6 +59,8 @@ class Report:
         write_json(Path(self.path), out, indent=1)
 
     def run(self, name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+        if self.only and self.only not in name:
+            return
         t = time.monotonic()
         try:
             ok, detail = fn()
@@ -193,7 +199,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
     # ---- exact in-register weight decode: a one-hot activation row picks one weight column, and
     # a float32 output holds the decoded bf16 value exactly (products with 1, sums of exact zeros)
-    def decode_exact(decode, m):
+    def decode_exact(decode, m, gemv=None):
         def f():
             n, k = (64, 256) if tiny else (512, 2048)
             blocks = torch.exp(torch.empty(n, k // 16, 1, device=dev).uniform_(-9, 9))
@@ -203,7 +209,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
             cols = torch.arange(k, device=dev) if m >= k else torch.randperm(k, device=dev)[:m]
             x = torch.zeros(cols.numel(), k, device=dev, dtype=torch.bfloat16)
             x[torch.arange(cols.numel(), device=dev), cols] = 1.0
-            y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, decode=decode)
+            y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, decode=decode, gemv=gemv)
             ref = wh[:, cols].t()
             same = torch.equal(y, ref)  # value equality: the accumulator turns a decoded -0.0 into +0.0
             return same, f"{int((y != ref).sum())} of {y.numel()} decoded values differ" if not same else \
@@ -213,6 +219,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
     for dec in ("ref", "lut"):
         rep.run(f"weight decode '{dec}' exact (one-hot rows, small-M path)", decode_exact(dec, 16))
         rep.run(f"weight decode '{dec}' exact (one-hot rows, large-M path)", decode_exact(dec, 256 if tiny else 2048))
+        rep.run(f"weight decode '{dec}' exact (one-hot rows, GEMV M=4)", decode_exact(dec, 4, gemv=True))
 
     # ---- GEMMs
     n_big = big if tiny else (4096 if quick else big)
@@ -235,6 +242,65 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
         return max(errs.values()) < 1e-5, f"rel err by M: {fmt(errs)}; with accumulation='mma': {fmt(mma)}{fl}"
 
     rep.run(f"W4A16 bf16 GEMM N=K={n_big} vs fp64", gemm_w4a16)
+
+    def gemv(shapes, decode=None):
+        """Small-M GEMV (M = 1..4, ``gemv=True``) vs fp64 of the same dequantized operands, the
+        GEMM's bound (< 1e-5); the tensor-core GEMM (``gemv=False``) and cuBLAS on the same inputs
+        are reported beside it; a repeated call must give the same bits (no atomics)."""
+        def f():
+            errs, gemm, floors, bad = {}, {}, {}, []
+            for n, k in shapes:
+                w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
+                whb = nvfp4_dequantize(w, torch.bfloat16)
+                wh = whb.double()
+                bias = torch.randn(n, device=dev)
+                for m in (1, 3) if tiny else (1, 2, 3, 4):
+                    x = _acts(m, k, dev)
+                    ref = x.double() @ wh.t() + bias.double()
+                    key = f"{n}x{k} M={m}"
+                    y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32, decode=decode,
+                                            gemv=True)
+                    errs[key] = _rel(y, ref)
+                    y2 = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32, decode=decode,
+                                             gemv=True)
+                    if not torch.equal(y, y2):
+                        bad.append(f"{key}: repeated call differs")
+                    gemm[key] = _rel(w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32,
+                                                         decode=decode, gemv=False), ref)
+                    floors[key] = _cublas_floor([(x, whb)], bias, ref)
+                    # bf16 output through the default route (the GEMV on CUDA) vs the reference op
+                    yb = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias.to(torch.bfloat16), decode=decode)
+                    rb = (x.float() @ whb.float().t() + bias.to(torch.bfloat16).float())
+                    if not bool(((yb.float() - rb).abs() <= 2**-7 * rb.abs() + 1e-3 * rb.abs().max()).all()):
+                        bad.append(f"{key}: bf16 output off the reference by more than rounding")
+            worst = max(errs.values())
+            fmt = lambda d: ", ".join(f"{a}: {b:.1e}" for a, b in d.items() if b is not None)  # noqa: E731
+            ok = worst < 1e-5 and not bad
+            return ok, (f"max rel err {worst:.2e}; {'; '.join(bad) + '; ' if bad else ''}GEMV: {fmt(errs)}; "
+                        f"GEMM (gemv=False): {fmt(gemm)}" + (f"; cuBLAS on the same bf16 terms: {fmt(floors)}"
+                                                            if floors and None not in floors.values() else ""))
+        return f
+
+    gemv_shapes = [(40, 272)] if tiny else [(4096, 4096), (14336, 4096), (4096, 14336), (1000, 4112),
+                                                         (576, 576), (192, 576), (576, 1536)]
+    rep.run("W4A16 GEMV M=1..4 (8B, SmolLM2, ragged shapes) vs fp64", gemv(gemv_shapes))
+    rep.run("W4A16 GEMV M=1..4, 'lut' weight decode, vs fp64", gemv(gemv_shapes[:4], decode="lut"))
+
+    def gemv_w4a4():
+        n, k = (64, 256) if tiny else (4096, 4096)
+        w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
+        wh = nvfp4_dequantize(w, torch.bfloat16).double()
+        errs = {}
+        for m, pt in ((1, False), (4, True)) if tiny else ((1, False), (3, False), (4, True)):
+            spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
+            x = _acts(m, k, dev)
+            xh = nvfp4_dequantize(nvfp4_quantize(x, spec=spec), torch.bfloat16)
+            y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, act_spec=spec, out_dtype=torch.float32, gemv=True)
+            errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, xh.double() @ wh.t())
+        worst = max(errs.values())
+        return worst < 1e-5, f"max rel err {worst:.2e}; " + ", ".join(f"{a}: {b:.1e}" for a, b in errs.items())
+
+    rep.run("W4A4 GEMV (x_hat operand) M=1..4 vs fp64", gemv_w4a4)
 
     def gemm_w4a4(n, k, decode=None, compare_mma=False):
         """Gated on the default (two-level) accumulation; ``compare_mma`` also reports the error of
@@ -343,8 +409,31 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
             same2 = torch.equal(y_static, eager2)
         return same1 and same2, f"replay == eager: {same1}; after new input: {same2}"
 
+    def graph_gemv():
+        n = k = 4096
+        w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
+        x_static = _acts(2, k, dev)
+        with no_sync_checks():
+            run = lambda: w4a4_linear_triton(x_static, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, gemv=True)  # noqa: E731
+            eager = run()  # autotunes outside the capture
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                run()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y_static = run()
+            g.replay()
+            same1 = torch.equal(y_static, eager)
+            x_static.copy_(_acts(2, k, dev))
+            g.replay()
+            same2 = torch.equal(y_static, run())
+        return same1 and same2, f"replay == eager: {same1}; after new input: {same2}"
+
     if dev.type == "cuda":
         rep.run("CUDA graph capture of W4A4+RAC decode (M=16)", graph)
+        rep.run("CUDA graph capture of W4A4 GEMV decode (M=2)", graph_gemv)
 
     # ---- ops dispatch
     def ops():
@@ -367,13 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON report here (atomically)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the random inputs (default: %(default)s)")
+    ap.add_argument("--only", default=None, help="run only the checks whose name contains this substring (e.g. GEMV)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("selfcheck needs a CUDA device", file=sys.stderr)
         return 2
     seed = args.seed
     torch.manual_seed(seed)  # fixed (--seed): a failure reproduces with the same inputs
-    rep = Report(args.out, {"seed": seed, "device": torch.cuda.get_device_name()})
+    rep = Report(args.out, {"seed": seed, "device": torch.cuda.get_device_name(), "only": args.only}, only=args.only)
     checks(rep, torch.device("cuda"), big=4096 if args.quick else 8192, quick=args.quick)
     rep.save(final=True)
     print(f"selfcheck: {'ALL PASS' if rep.ok else 'FAILURES'} ({sum(i['ok'] for i in rep.items)}/{len(rep.items)}), "

@@ -9,4 +9,4 @@ the mode of whichever copy was loaded first (the other mode's kernels then fail,
 copy calling compiled kernels raises "0 active drivers" on a machine without a GPU).
 """
 
-from . import amax, common, fp8, mxfp4, nvfp4_gemm, nvfp4_grouped, nvfp4_quant, probe, rac  # noqa: F401
+from . import amax, common, fp8, mxfp4, nvfp4_gemm, nvfp4_gemv, nvfp4_grouped, nvfp4_quant, probe, rac  # noqa: F401
