@@ -24,8 +24,11 @@
 # Knobs (environment): STEPS (150, the runs' total) SEG_S (450: training seconds per call, split
 #   over the unfinished recipes) HARD_S (525: hard stop of the grpo process) RECIPES
 #   (bf16,naive_nvfp4,qat_only,quads_nvfp4) PROMPTS (8) GROUP (8) MAX_NEW (16) LR (3e-5)
-#   DIFFICULTY (2) OPERATORS (+) TEMPLATE (terse) TEMPERATURE (1.0): the best calibration of
-#   docs/RESULTS.md "Task calibration" SEED (0) RATIO (coupled) CORRECTION (none) MINIBATCHES (4) EPOCHS (1)
+#   TASK (larger) TEMPLATE (larger_fewshot) TEMPERATURE (0.7) REWARD (first): the calibration of
+#   docs/RESULTS.md "Task calibration" that meets the W4A4 step-0 reward target ("Which is larger,
+#   47 or 52?" after two worked examples, exact match of the response's first integer);
+#   DIFFICULTY (2) and OPERATORS (empty: the preset's) apply to TASK=arithmetic only (the earlier
+#   default was TASK=arithmetic DIFFICULTY=2 OPERATORS=+ TEMPLATE=terse TEMPERATURE=1.0 REWARD=exact) SEED (0) RATIO (coupled) CORRECTION (none) MINIBATCHES (4) EPOCHS (1)
 #   MICRO (16: learner rows per forward; MINIBATCHES needs PROMPTS*GROUP/MICRO >= MINIBATCHES)
 #   PARALLEL (1: one grpo process per recipe, all on the one GPU, each with the whole SEG_S; 0: one
 #   process, SEG_S split over the recipes) EVAL_PROMPTS (400) EVAL_EVERY (10) KERNELS (triton if importable, else reference)
@@ -49,7 +52,10 @@ MODEL="${QPASS_MODEL:-default}"
 STEPS="${STEPS:-150}"; SEG_S="${SEG_S:-450}"; HARD_S="${HARD_S:-525}"
 RECIPES="${RECIPES:-bf16,naive_nvfp4,qat_only,quads_nvfp4}"
 PROMPTS="${PROMPTS:-8}"; GROUP="${GROUP:-8}"; MAX_NEW="${MAX_NEW:-16}"; LR="${LR:-3e-5}"
-DIFFICULTY="${DIFFICULTY:-2}"; OPERATORS="${OPERATORS:-+}"; TEMPLATE="${TEMPLATE:-terse}"; TEMPERATURE="${TEMPERATURE:-1.0}"
+TASK="${TASK:-larger}"; DIFFICULTY="${DIFFICULTY:-2}"; OPERATORS="${OPERATORS:-}"; TEMPLATE="${TEMPLATE:-larger_fewshot}"
+TEMPERATURE="${TEMPERATURE:-0.7}"; REWARD="${REWARD:-first}"
+TASK_ARGS=(--task "$TASK" --difficulty "$DIFFICULTY" --reward "$REWARD")
+[ -n "$OPERATORS" ] && TASK_ARGS+=(--operators "$OPERATORS")
 SEED="${SEED:-0}"; RATIO="${RATIO:-coupled}"; CORRECTION="${CORRECTION:-none}"; MICRO="${MICRO:-16}"; PARALLEL="${PARALLEL:-1}"
 MINIBATCHES="${MINIBATCHES:-4}"; EPOCHS="${EPOCHS:-1}"; EVAL_PROMPTS="${EVAL_PROMPTS:-400}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 SPEED_RECIPES="${SPEED_RECIPES:-bf16,quads_nvfp4}"; SPEED_STEPS="${SPEED_STEPS:-3}"
@@ -60,7 +66,7 @@ if [ -z "${KERNELS:-}" ]; then
 fi
 GRPO=(python3 -m qpass.apps.grpo.cli grpo --model "$MODEL" --device "$DEVICE" --kernels "$KERNELS" --seed "$SEED" --no-progress)
 echo "gpu_grpo_long: mode=$MODE model=$MODEL kernels=$KERNELS steps=$STEPS recipes=$RECIPES prompts=$PROMPTS group=$GROUP" \
-     "max_new=$MAX_NEW lr=$LR difficulty=$DIFFICULTY ratio=$RATIO correction=$CORRECTION minibatches=$MINIBATCHES" \
+     "max_new=$MAX_NEW lr=$LR task=$TASK template=$TEMPLATE temperature=$TEMPERATURE reward=$REWARD difficulty=$DIFFICULTY ratio=$RATIO correction=$CORRECTION minibatches=$MINIBATCHES" \
      "epochs=$EPOCHS ckpt=$CKPT_DIR" | tee -a "$LOG"
 RC=0
 
@@ -101,8 +107,8 @@ long_args() {
   # shellcheck disable=SC2086
   echo --steps "$STEPS" --overwrite --keep-partial \
     --checkpoint-dir "$CKPT_DIR" --resume --checkpoint-every 10 \
-    --prompts-per-step "$PROMPTS" --group-size "$GROUP" --max-new-tokens "$MAX_NEW" --lr "$LR" --difficulty "$DIFFICULTY" \
-    --operators "$OPERATORS" --template "$TEMPLATE" --temperature "$TEMPERATURE" --n-train 500 --n-eval 500 \
+    --prompts-per-step "$PROMPTS" --group-size "$GROUP" --max-new-tokens "$MAX_NEW" --lr "$LR" "${TASK_ARGS[@]}" \
+    --template "$TEMPLATE" --temperature "$TEMPERATURE" --n-train 500 --n-eval 500 \
     --ratio "$RATIO" --correction "$CORRECTION" --minibatches "$MINIBATCHES" --ppo-epochs "$EPOCHS" \
     --micro-batch-size "$MICRO" --eval-every "$EVAL_EVERY" --eval-prompts "$EVAL_PROMPTS" --diag-every 50 --bitexact-every 50 $EXTRA
 }

@@ -4,14 +4,17 @@ Problems are integer expressions such as ``47 - 8 * 3`` over ``+``, ``-``, ``*``
 precedence (``*`` before ``+``/``-``, left to right otherwise); the answer is an exact Python
 integer. Generation is seeded and deterministic. Difficulty is set by the number of operands,
 the digit count of each operand and the operator set (:class:`ArithmeticConfig`,
-:func:`difficulty_preset`).
+:func:`difficulty_preset`). Two simpler problem kinds share the machinery (:data:`KINDS`,
+:data:`TASK_PRESETS`, :func:`task_preset`, ``qpass grpo --task``): ``successor`` ("What number comes
+after 389?", answer 390) and ``larger`` ("Which is larger, 47 or 52?", answer 52).
 
 The evaluation split is drawn first, then the training split, both from one seeded stream of
 *unique* expressions, so (a) the two splits share no expression and therefore no prompt, and
 (b) the evaluation split does not change when ``n_train`` changes.
 
 Rewards are plug-ins: any callable ``(prompt_meta, response_text) -> float`` (:class:`RewardFn`).
-The default :class:`ExactAnswerReward` parses the last integer of the response. Wrap every reward
+The default :class:`ExactAnswerReward` parses the last integer of the response
+(``first_answer_reward``: the first one) and gives 1.0 iff it equals the ground-truth answer. Wrap every reward
 function with :func:`safe_reward` before its output reaches the advantages: exceptions, non-numeric
 and non-finite returns become reward 0 and are counted and logged, never NaN.
 """
@@ -33,14 +36,21 @@ __all__ = [
     "ArithmeticProblem",
     "ArithmeticTask",
     "ExactAnswerReward",
+    "KINDS",
+    "ProblemKind",
+    "TASK_PRESETS",
     "RewardFn",
     "SafeReward",
     "difficulty_preset",
     "evaluate_expression",
+    "ANSWER_PARSERS",
     "exact_answer_reward",
+    "first_answer_reward",
     "format_prompt",
+    "parse_first_integer",
     "parse_last_integer",
     "safe_reward",
+    "task_preset",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,14 @@ DEFAULT_TEMPLATE = (
 TEMPLATES: dict[str, str] = {
     "default": DEFAULT_TEMPLATE,
     "terse": "Compute {expression}. Reply with the integer only.",
+    # two worked addition examples in Q/A form, the problem's "A:" left open (issue 13 calibration)
+    "fewshot": "Reply with the integer only.\nQ: 12 + 7\nA: 19\nQ: 30 + 45\nA: 75\nQ: {expression}\nA:",
+    "equation": "Complete the equation with one integer: {expression} =",
+    # the non-arithmetic kinds (KINDS): {expression} is "389" / "47 or 52"
+    "successor": "What number comes after {expression}? Reply with the integer only.",
+    "larger": "Which is larger, {expression}? Reply with the larger number only.",
+    "larger_fewshot": "Reply with the larger number only.\nQ: Which is larger, 31 or 17?\nA: 31\n"
+                      "Q: Which is larger, 58 or 64?\nA: 64\nQ: Which is larger, {expression}?\nA:",
 }
 
 
@@ -77,6 +95,10 @@ class ArithmeticConfig:
         operators: non-empty subset of ``("+", "-", "*")``.
         n_train, n_eval: split sizes (``n_eval`` may be 0).
         seed: generation seed.
+        kind: problem kind, a key of :data:`KINDS`: ``"arithmetic"`` (an expression over
+            ``operators``), ``"successor"`` (one operand ``n``, answer ``n + 1``) or ``"larger"``
+            (two different operands, answer the larger). The last two use ``digits`` only
+            (``n_operands`` and ``operators`` are ignored).
     """
 
     n_operands: tuple[int, int] = (2, 3)
@@ -85,8 +107,11 @@ class ArithmeticConfig:
     n_train: int = 2000
     n_eval: int = 200
     seed: int = 0
+    kind: str = "arithmetic"
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {sorted(KINDS)}, got {self.kind!r}")
         lo, hi = self.n_operands
         if not (2 <= lo <= hi):
             raise ValueError(f"n_operands must be (lo, hi) with 2 <= lo <= hi, got {self.n_operands}")
@@ -117,6 +142,30 @@ def difficulty_preset(level: int, **overrides: Any) -> ArithmeticConfig:
     if level not in presets:
         raise ValueError(f"difficulty level must be one of {sorted(presets)}, got {level}")
     return ArithmeticConfig(**{**presets[level], **overrides})
+
+
+#: Presets of the non-arithmetic kinds by name (``qpass grpo --task``; ``arithmetic`` takes
+#: ``--difficulty`` instead): ``successor`` "What number comes after 389?" over the 900 3-digit
+#: numbers; ``larger`` "Which is larger, 47 or 52?" over the 8010 ordered pairs of different
+#: 2-digit numbers.
+TASK_PRESETS: dict[str, dict[str, Any]] = {
+    "successor": dict(kind="successor", digits=(3, 3)),
+    "larger": dict(kind="larger", digits=(2, 2)),
+}
+
+
+def task_preset(name: str, *, level: int = 2, **overrides: Any) -> ArithmeticConfig:
+    """The config of task ``name``: ``"arithmetic"`` is :func:`difficulty_preset` ``(level)``, any
+    other name a key of :data:`TASK_PRESETS` (``level`` ignored). ``overrides`` replace fields.
+
+    Raises:
+        ValueError: unknown name or level.
+    """
+    if name == "arithmetic":
+        return difficulty_preset(level, **overrides)
+    if name not in TASK_PRESETS:
+        raise ValueError(f"task must be one of {['arithmetic', *TASK_PRESETS]}, got {name!r}")
+    return ArithmeticConfig(**{**TASK_PRESETS[name], **overrides})
 
 
 def evaluate_expression(operands: tuple[int, ...], operators: tuple[str, ...]) -> int:
@@ -182,15 +231,62 @@ def format_prompt(problem: ArithmeticProblem, template: str = DEFAULT_TEMPLATE) 
     return template.replace("{expression}", problem.expression)
 
 
+def _operand(rng: random.Random, cfg: ArithmeticConfig) -> int:
+    d = rng.randint(*cfg.digits)
+    lo = 0 if d == 1 else 10 ** (d - 1)
+    return rng.randint(lo, 10**d - 1)
+
+
 def _draw(rng: random.Random, cfg: ArithmeticConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
     n = rng.randint(*cfg.n_operands)
-    operands = []
-    for _ in range(n):
-        d = rng.randint(*cfg.digits)
-        lo = 0 if d == 1 else 10 ** (d - 1)
-        operands.append(rng.randint(lo, 10**d - 1))
+    operands = [_operand(rng, cfg) for _ in range(n)]
     ops = tuple(rng.choice(cfg.operators) for _ in range(n - 1))
     return tuple(operands), ops
+
+
+def _draw_successor(rng: random.Random, cfg: ArithmeticConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    return (_operand(rng, cfg),), ()
+
+
+def _draw_larger(rng: random.Random, cfg: ArithmeticConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    a = _operand(rng, cfg)
+    b = _operand(rng, cfg)
+    while b == a:  # digits (1, 1) still leaves 10 values, so this ends
+        b = _operand(rng, cfg)
+    return (a, b), ()
+
+
+def _expression_text(operands: tuple[int, ...], ops: tuple[str, ...]) -> str:
+    parts = [str(operands[0])]
+    for op, v in zip(ops, operands[1:]):
+        parts += [op, str(v)]
+    return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemKind:
+    """One kind of problem: how it is drawn, written into the prompt and answered.
+
+    Attributes:
+        draw: ``(rng, cfg) -> (operands, operators)``.
+        text: ``(operands, operators) -> str``, the problem's ``expression`` (what a template's
+            ``{expression}`` becomes; unique within a task).
+        answer: ``(operands, operators) -> int``, the exact answer.
+        template: the :data:`TEMPLATES` key used when none is given.
+    """
+
+    draw: Any
+    text: Any
+    answer: Any
+    template: str
+
+
+#: Problem kinds by name (:attr:`ArithmeticConfig.kind`).
+KINDS: dict[str, ProblemKind] = {
+    "arithmetic": ProblemKind(_draw, _expression_text, evaluate_expression, "default"),
+    "successor": ProblemKind(_draw_successor, lambda o, _: str(o[0]), lambda o, _: o[0] + 1, "successor"),
+    "larger": ProblemKind(_draw_larger, lambda o, _: f"{o[0]} or {o[1]}", lambda o, _: max(o), "larger"),
+}
 
 
 class ArithmeticTask:
@@ -208,6 +304,7 @@ class ArithmeticTask:
         self.cfg = cfg or ArithmeticConfig()
         need = self.cfg.n_eval + self.cfg.n_train
         rng = random.Random(self.cfg.seed)
+        kind = KINDS[self.cfg.kind]
         seen: set[str] = set()
         drawn: list[tuple[tuple[int, ...], tuple[str, ...], str]] = []
         attempts = 0
@@ -219,11 +316,8 @@ class ArithmeticTask:
                     f"(n_eval={self.cfg.n_eval} + n_train={self.cfg.n_train}) from {self.cfg}; "
                     "widen digits/n_operands/operators or ask for fewer"
                 )
-            operands, ops = _draw(rng, self.cfg)
-            parts = [str(operands[0])]
-            for op, v in zip(ops, operands[1:]):
-                parts += [op, str(v)]
-            expr = " ".join(parts)
+            operands, ops = kind.draw(rng, self.cfg)
+            expr = kind.text(operands, ops)
             if expr in seen:
                 continue
             seen.add(expr)
@@ -231,7 +325,7 @@ class ArithmeticTask:
 
         def make(split: str, i: int, item: tuple[tuple[int, ...], tuple[str, ...], str]) -> ArithmeticProblem:
             operands, ops, expr = item
-            return ArithmeticProblem(f"{split}-{i}", split, operands, ops, expr, evaluate_expression(operands, ops))
+            return ArithmeticProblem(f"{split}-{i}", split, operands, ops, expr, int(kind.answer(operands, ops)))
 
         n_eval = self.cfg.n_eval
         self.eval: list[ArithmeticProblem] = [make("eval", i, it) for i, it in enumerate(drawn[:n_eval])]
@@ -298,9 +392,21 @@ def parse_last_integer(text: str | None) -> int | None:
     if not text:
         return None
     matches = list(_INT_RE.finditer(text))
-    if not matches:
+    return _match_int(matches[-1]) if matches else None
+
+
+def parse_first_integer(text: str | None) -> int | None:
+    """The first integer written in ``text``, or None (same number syntax as :func:`parse_last_integer`).
+
+    A first number with a non-zero fraction (``2.5``) yields None; later numbers are not looked at.
+    """
+    if not text:
         return None
-    m = matches[-1]
+    m = _INT_RE.search(text)
+    return _match_int(m) if m else None
+
+
+def _match_int(m: re.Match[str]) -> int | None:
     sign, digits, frac = m.group(1), m.group(2), m.group(3)
     if frac is not None and frac.strip("0"):
         return None
@@ -308,11 +414,18 @@ def parse_last_integer(text: str | None) -> int | None:
     return -value if sign else value
 
 
+#: Integer extractors of :class:`ExactAnswerReward` by name (``qpass grpo --reward exact|first``).
+ANSWER_PARSERS = {"last": parse_last_integer, "first": parse_first_integer}
+
+
 @dataclasses.dataclass(frozen=True)
 class ExactAnswerReward:
     """Default reward: 1.0 if the last integer of the response equals ``prompt_meta["answer"]``.
 
     Attributes:
+        position: which integer of the response is the answer: ``"last"`` (default,
+            :func:`parse_last_integer`) or ``"first"`` (:func:`parse_first_integer`). Either way the
+            reward is exact match of that one integer; every other number in the response is ignored.
         format_weight: reward in [0, 1) for a *wrong* answer whose last non-empty line has the
             requested form ``Answer: <integer>`` (0.0 default: no format reward). A correct answer
             always gets 1.0.
@@ -322,14 +435,17 @@ class ExactAnswerReward:
     """
 
     format_weight: float = 0.0
+    position: str = "last"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_weight < 1.0:
             raise ValueError(f"format_weight must be in [0, 1), got {self.format_weight}")
+        if self.position not in ANSWER_PARSERS:
+            raise ValueError(f"position must be one of {sorted(ANSWER_PARSERS)}, got {self.position!r}")
 
     def __call__(self, prompt_meta: Mapping[str, Any], response_text: str) -> float:
         answer = int(prompt_meta["answer"])
-        if parse_last_integer(response_text) == answer:
+        if ANSWER_PARSERS[self.position](response_text) == answer:
             return 1.0
         if self.format_weight and response_text:
             lines = [ln for ln in response_text.strip().splitlines() if ln.strip()]
@@ -340,6 +456,9 @@ class ExactAnswerReward:
 
 #: The default reward instance (exact answer, no format reward).
 exact_answer_reward = ExactAnswerReward()
+#: Exact answer on the *first* integer of the response (``qpass grpo --reward first``): for terse /
+#: few-shot templates where the model states the answer and may then ramble on with more numbers.
+first_answer_reward = ExactAnswerReward(position="first")
 
 
 class SafeReward:

@@ -56,6 +56,7 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     one source of defaults)."""
     from qpass.apps.grpo.grpo import GRPOConfig
     from qpass.rl.loss import CORRECTIONS, RATIO_MODES
+    from qpass.rl.task import TASK_PRESETS, TEMPLATES
     from qpass.runtime.cuda_graph import CUDA_GRAPH_MODES
 
     D = GRPOConfig()  # noqa: N806
@@ -133,15 +134,20 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--mask-truncated", action="store_true", help="exclude responses without EOS from the loss")
 
     g = ap.add_argument_group("task and reward")
+    g.add_argument("--task", default="arithmetic", choices=["arithmetic", *TASK_PRESETS],
+                   help="problem kind (qpass.rl.task.TASK_PRESETS): arithmetic expressions (--difficulty, --operators), "
+                        "successor ('What number comes after 389?', 900 problems) or larger ('Which is larger, 47 or 52?')")
     g.add_argument("--difficulty", type=int, default=2, choices=[1, 2, 3, 4],
-                   help="task preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
+                   help="arithmetic preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
     g.add_argument("--operators", default=None,
-                   help="override the preset's operators, comma list of + - * (e.g. '+': addition only)")
-    g.add_argument("--template", default="default", choices=["default", "terse"],
-                   help="prompt template (qpass.rl.task.TEMPLATES): default asks for reasoning + 'Answer:', terse for the integer only")
+                   help="override the arithmetic preset's operators, comma list of + - * (e.g. '+': addition only)")
+    g.add_argument("--template", default=None, choices=list(TEMPLATES),
+                   help="prompt template (qpass.rl.task.TEMPLATES; default: the task's own, qpass.rl.task.KINDS): "
+                        "default asks for reasoning + 'Answer:', terse for the integer only")
     g.add_argument("--n-train", type=_pos_int, default=2000)
     g.add_argument("--n-eval", type=_nonneg_int, default=500, help="held-out split size (eval uses --eval-prompts of it)")
-    g.add_argument("--reward", default="exact", help="'exact', 'format' (exact + --format-weight for a well-formed "
+    g.add_argument("--reward", default="exact", help="'exact' (the last integer of the response is the answer), 'first' "
+                   "(the first integer is), 'format' (exact + --format-weight for a well-formed "
                    "wrong answer) or MODULE:ATTR naming a callable (prompt_meta, response_text) -> float")
     g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
 
@@ -185,10 +191,12 @@ class CliError(Exception):
 
 
 def _load_reward(spec: str, format_weight: float) -> Any:
-    from qpass.rl.task import ExactAnswerReward, exact_answer_reward
+    from qpass.rl.task import ExactAnswerReward, exact_answer_reward, first_answer_reward
 
     if spec == "exact":
         return exact_answer_reward
+    if spec == "first":
+        return first_answer_reward
     if spec == "format":
         if not format_weight < 1:
             raise CliError(f"--format-weight must be in [0, 1), got {format_weight}")
@@ -265,7 +273,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     from qpass.apps.grpo.plots import plot_runs
     from qpass.atomic import atomic_dir
     from qpass.diagnostics.collapse import collapse_summary
-    from qpass.rl.task import TEMPLATES
+    from qpass.rl.task import TEMPLATES, first_answer_reward
 
     cfg = _grpo_config(a, steps, max_time_s)
     out_dir = atomic_dir(dest, force=a.force, marker="summary.json", keep_partial=a.keep_partial)
@@ -296,7 +304,8 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 trainer = GRPOTrainer(learner, rollout, pipe.tokenizer, task, cfg, reward_fn=reward,
                                       shadow=shadow if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
-                                      template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng)
+                                      template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng,
+                                      answer_fn=first_answer_reward if a.reward == "first" else None)
                 ckpt = a.checkpoint_dir / f"{recipe.name}.pt" if a.checkpoint_dir is not None else None
                 resumed_from = 0
                 if a.resume and ckpt is not None and ckpt.exists():
@@ -460,7 +469,7 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
     from qpass.ops import use_kernels
     from qpass.pipeline import DTYPES, Pipeline
     from qpass.apps.grpo.plots import plot_runs
-    from qpass.rl.task import TEMPLATES, ArithmeticTask, difficulty_preset
+    from qpass.rl.task import KINDS, TEMPLATES, ArithmeticTask, task_preset
 
     if a.threads is not None:
         import torch
@@ -470,9 +479,13 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             over = {"operators": tuple(a.operators.split(","))} if a.operators else {}
-            task = ArithmeticTask(difficulty_preset(a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed, **over))
+            if over and a.task != "arithmetic":
+                raise ValueError(f"--operators applies to --task arithmetic only, not {a.task!r}")
+            task = ArithmeticTask(task_preset(a.task, level=a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed, **over))
         except ValueError as exc:
             raise CliError(f"task: {exc}") from exc
+        if a.template is None:
+            a.template = KINDS[task.cfg.kind].template
         lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
         _check_learner_model(a, lm.model.config)
         need = _max_prompt_len(lm.tokenizer, task, TEMPLATES[a.template]) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)

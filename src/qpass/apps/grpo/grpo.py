@@ -333,6 +333,9 @@ class GRPOTrainer:
             learner's master weights and reads its served bytes back for the bit-level check
             (``parity/engine_bitexact_ok``). The rollout graph is still synced (its diagnostics).
         template: user-message template of the task prompts.
+        answer_fn: correctness of a response (``>= 1.0``: correct) for ``reward/correct_frac`` and
+            the held-out eval accuracy (default :data:`qpass.rl.task.exact_answer_reward`, the last
+            integer; ``qpass grpo --reward first`` passes ``first_answer_reward``).
         recipe_name: label for progress output.
         learner_engine: a :class:`qpass.runtime.engine.LearnerEngine` that computes ``p`` and is
             trained instead of the built-in engine over ``learner`` (e.g. ``make_learner_engine(
@@ -367,6 +370,7 @@ class GRPOTrainer:
         recipe_name: str = "",
         learner_engine: Any = None,
         rollout_engine: Any = None,
+        answer_fn: RewardFn | None = None,
     ) -> None:
         from qpass.runtime.engine import as_rollout_engine, make_learner_engine, make_rollout_engine
 
@@ -396,6 +400,7 @@ class GRPOTrainer:
             raise ValueError(f"GRPOConfig.minibatches={cfg.minibatches} exceeds the {n_micro} micro-batches of "
                              f"{n_rows} rows (micro_batch_size={self.micro})")
         self.reward = reward_fn if isinstance(reward_fn, SafeReward) else safe_reward(reward_fn or exact_answer_reward)
+        self.answer_fn = answer_fn or exact_answer_reward
         opt_kw = dict(lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                       master_dtype=torch.float32 if cfg.master_dtype == "fp32" else None)
         make_opt = getattr(self.le, "make_optimizer", None)
@@ -566,7 +571,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         metas, prompts = self._eval_set
         res = evaluate(self.ro, self.tokenizer, metas, prompts, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                       temperature=cfg.eval_temperature, seed=_seed(cfg.seed, 7, step))
+                       temperature=cfg.eval_temperature, seed=_seed(cfg.seed, 7, step), answer_fn=self.answer_fn)
         row = {f"eval/{k}": v for k, v in res.items()}
         row["time/eval_s"] = time.perf_counter() - t0
         self._write("eval", {"step": step, **row})
@@ -688,7 +693,7 @@ class GRPOTrainer:
         after = self.reward.stats()
         adv64 = group_advantages(rewards, group_size=g)
         adv = adv64.float().to(self.device)
-        correct = [exact_answer_reward(m, x) >= 1.0 for m, x in zip(metas, texts)]
+        correct = [self.answer_fn(m, x) >= 1.0 for m, x in zip(metas, texts)]
         zero_groups = int((rewards.view(-1, g).amax(-1) == rewards.view(-1, g).amin(-1)).sum())
         row.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,

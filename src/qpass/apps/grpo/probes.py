@@ -25,7 +25,8 @@ exact-answer reward.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -176,6 +177,7 @@ def evaluate(
     max_new_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
+    answer_fn: Callable[[Mapping[str, Any], str], float] | None = None,
 ) -> dict[str, float]:
     """Accuracy of the rollout policy on held-out problems.
 
@@ -187,6 +189,8 @@ def evaluate(
         max_new_tokens: response budget.
         temperature: 0 = greedy (``top_p = GREEDY_TOP_P``), else sampling at this temperature.
         seed: sampling seed (chunk ``i`` uses ``seed + i``).
+        answer_fn: ``(meta, text) -> float``, correct when ``>= 1.0`` (default
+            :data:`qpass.rl.task.exact_answer_reward`).
     Returns:
         ``accuracy`` (exact answer), ``stderr`` (its binomial standard error
         ``sqrt(acc (1 - acc) / n)``), ``len_mean`` (tokens), ``finished_frac``, ``n``.
@@ -203,7 +207,8 @@ def evaluate(
                                        top_p=top_p, seed=seed + i))
     exp = assemble(chunks, pad_token_id=rollout.pad_token_id, eos_token_ids=rollout.eos_token_ids, max_new_tokens=max_new_tokens)
     texts = decode_responses(tokenizer, exp)
-    correct = [exact_answer_reward(m, t) >= 1.0 for m, t in zip(metas, texts)]
+    answer_fn = answer_fn or exact_answer_reward
+    correct = [answer_fn(m, t) >= 1.0 for m, t in zip(metas, texts)]
     return {
         "accuracy": sum(correct) / len(correct),
         "stderr": math.sqrt((sum(correct) / len(correct)) * (1 - sum(correct) / len(correct)) / len(correct)),
