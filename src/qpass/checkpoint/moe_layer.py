@@ -143,7 +143,7 @@ def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         return
     if name in layer._buffers:
         del layer._buffers[name]
-    layer.register_buffer(name, value, persistent=False)
+    layer.register_buffer(name, value, persistent=True)  # vLLM's layer-wise reload copies only persistent buffers back
 
 
 def _linear(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, w_hat: torch.Tensor | None, x: torch.Tensor, *,
