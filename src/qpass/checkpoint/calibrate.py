@@ -43,6 +43,8 @@ def input_amax(model: torch.nn.Module, sites: Iterable[str], batches: Sequence[S
             raise QuantizationError(f"calibration site {s} is not an nn.Linear of {type(model).__name__}")
 
         def hook(_mod, args, _site=s):  # noqa: ANN001
+            if args[0].numel() == 0:  # an MoE expert no token of this prompt was routed to
+                return
             a = args[0].detach().abs().amax().float().cpu()
             amax[_site] = torch.maximum(amax[_site], a) if _site in amax else a
         hooks.append(m.register_forward_pre_hook(hook))
