@@ -351,3 +351,10 @@ def test_input_scale_calibration_skips_experts_a_prompt_does_not_reach():
     sites = [f"model.layers.0.mlp.experts.{e}.gate_proj" for e in range(E)]
     amax = input_amax(m, sites, [[5]])
     assert len(amax) == K_TOP and all(float(a) > 0 for a in amax.values())
+    from qpass.checkpoint.calibrate import group_input_amax
+
+    unreached: list[str] = []
+    g = group_input_amax(amax, {s: s for s in sites}, unreached)  # unreached experts: the layer's max for that projection
+    assert sorted(unreached) == sorted(set(sites) - set(amax)) and len(unreached) == E - K_TOP
+    top = max(float(a) for a in amax.values())
+    assert all(float(g[s]) == top for s in unreached)

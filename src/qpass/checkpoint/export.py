@@ -109,9 +109,13 @@ def write_checkpoint(
 
         if not calibration_ids:
             raise QpassError(f"{len(w4a4)} W4A4 site(s) need calibration prompts for their input_scale")
-        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4)
+        unreached: list[str] = []
+        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4, unreached)
         record["calibration"] = {"sequences": len(calibration_ids), "tokens": sum(len(i) for i in calibration_ids),
                                  "input_scale": INPUT_SCALE_RULE}
+        if unreached:
+            record["calibration"]["experts_not_reached"] = {
+                "sites": sorted(unreached), "input_scale": "max over the same layer's reached experts of the same projection"}
     inputs = ExportInputs(plain_config(model, dtype), plain_state(model, dtype), sites, dict(site_tensors or {}), input_amax,
                           weight_arithmetic=weight_arithmetic(sites))
     content = engine_names(build_checkpoint(fmt, inputs), str(inputs.config.get("model_type", "")))
