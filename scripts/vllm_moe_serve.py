@@ -57,7 +57,7 @@ def main() -> None:
     for s, sv in served.items():
         for what, mine, theirs in (("weight", ck[f"{s}.weight"], sv.codes), ("weight_scale", ck[f"{s}.weight_scale"], sv.scales),
                                    ("weight_scale_2", ck[f"{s}.weight_scale_2"].float().reshape(()), sv.global_scale.reshape(()))):
-            if mine.shape != theirs.shape or not torch.equal(mine.contiguous().view(torch.uint8), theirs.contiguous().view(torch.uint8)):
+            if mine.shape != theirs.shape or not torch.equal(mine.contiguous().reshape(-1).view(torch.uint8), theirs.contiguous().reshape(-1).view(torch.uint8)):
                 bad_ck.append(f"{s}.{what}")
     masters = load_file(str(model_dir / "model.safetensors"))
     chk = check_served_weights(masters, served)
