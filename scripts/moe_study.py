@@ -2,6 +2,7 @@
 
     python scripts/moe_study.py --out out/moe_study [--model moe-default] [--layers L]
         [--prompts 4 --samples 1 --max-new-tokens 16] [--ratios 12.5,25,50,75] [--threads 1]
+        [--device cpu|cuda] [--kernels reference|triton]
 
 One model load and capture (:class:`qpass.pipeline.Pipeline`), then every configuration is one side
 of a recipe built through the pass manager (``qpass.apps.study.configs.study_recipe``: the study's
@@ -44,21 +45,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratios", default="12.5,25,50,75")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--kernels", default="reference", choices=("reference", "triton"),
+                    help="rollout kernel backend (triton runs on CUDA only; elsewhere the reference ops)")
     a = ap.parse_args(argv)
 
     import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False")
+    from qpass.apps.plugins import load_backends
+    from qpass.ops import use_kernels
+
+    load_backends([a.kernels])
+    with use_kernels(a.kernels), torch.no_grad():
+        return _run(a, t0=time.perf_counter())
+
+
+def _run(a: argparse.Namespace, *, t0: float) -> int:
     from qpass.apps.study.configs import RACOverride, study_recipe
     from qpass.jsonio import write_json
     from qpass.parity.behavior import logprob_gap
     from qpass.pipeline import Pipeline
     from qpass.prompts import encode_chat, probe_prompts
 
-    t0 = time.perf_counter()
     rows = a.prompts * a.samples
-    pipe = Pipeline.prepare(a.model, batch_size=rows, max_len=96)
+    pipe = Pipeline.prepare(a.model, device=a.device, batch_size=rows, max_len=96)
     tok = pipe.tokenizer
     prompts = encode_chat(tok, probe_prompts(a.prompts))
     eos = tok.eos_token_id
@@ -95,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:12s} mean|d| {s['mean_abs']:.4f} (replay {s['routing_replay']['mean_abs']:.4f})  "
               f"max|d| {s['max_abs']:.3f} (replay {s['routing_replay']['max_abs']:.3f})  routing mismatch {mm:.4f}", flush=True)
     timings["total_s"] = time.perf_counter() - t0
-    res = {"model": pipe.loaded.name, "layers": a.layers, "prompts": a.prompts, "samples": a.samples,
+    res = {"model": pipe.loaded.name, "device": a.device, "kernels": a.kernels, "layers": a.layers, "prompts": a.prompts, "samples": a.samples,
            "max_new_tokens": a.max_new_tokens, "seed": a.seed, "ratios_percent": ratios, "pairs": results,
            "timings": timings, "command": " ".join(["python", "scripts/moe_study.py", *sys.argv[1:]])}
     a.out.mkdir(parents=True, exist_ok=True)
     write_json(a.out / "moe_study.json", res)
     lines = [f"# MoE study: {pipe.loaded.name}", "", f"layers quantized: {a.layers or 'all'}; {a.prompts} prompts x "
-             f"{a.samples} samples, {a.max_new_tokens} new tokens, seed {a.seed}; token means over valid sampled tokens", "",
+             f"{a.samples} samples, {a.max_new_tokens} new tokens, seed {a.seed}; device {a.device}, kernels {a.kernels}; token means over valid sampled tokens", "",
              "| pair | learner | rollout | mean abs d | mean abs d, replay | max abs d | max abs d, replay | routing mismatch (mean over layers) | tokens |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, r in results.items():

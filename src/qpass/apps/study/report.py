@@ -285,7 +285,7 @@ def to_markdown(res: dict) -> str:
           "(partial: k = 50%% significantly below k = 0 in some mode x selection); "
           "C4 mean relative mismatch over sites." % (DOMINANCE_RATIO, FLOOR_TOLERANCE, NO_HELP_MARGIN * 100), ""]
     if res.get("skipped"):
-        L += ["Skipped (time budget): " + ", ".join(res["skipped"]), ""]
+        L += ["Skipped (reason in parentheses): " + ", ".join(res["skipped"]), ""]
     L += ["Plots: `gap_vs_k.png`, `layerwise.png`, `operand_ablation.png`.", ""]
     return "\n".join(L)
 

@@ -415,7 +415,7 @@ class _Study:
         for name in ("bf16", "w4a16", "w16a4", "w4a4"):
             self.prog.step(f"on-policy {name}")
             if self.out_of_time():
-                self.skipped.append(f"on_policy_{name}")
+                self.skipped.append(f"on_policy_{name} (time budget)")
                 self.prog.done()
                 continue
             t = time.perf_counter()
@@ -451,7 +451,7 @@ class _Study:
         for key, ratio, mode, sel in self.rac_cfgs:
             self.prog.step(key)
             if self.out_of_time():
-                self.skipped.append(key)
+                self.skipped.append(f"{key} (time budget)")
                 self.prog.done()
                 continue
             t = time.perf_counter()
@@ -475,7 +475,7 @@ class _Study:
         cost = rac_cost_table(sites.values(), self.rac_sites, self.ratios, MODES, SELECTIONS)
         if self.out_of_time():
             timing = {"available": False, "reason": "skipped: time budget", "rows": {}}
-            self.skipped.append("rac_timing")
+            self.skipped.append("rac_timing (time budget)")
         else:
             s0 = sites[self.rac_sites[0]]
             shapes = [(self.bs, s0.out_features, s0.in_features), (self.bs * 64, s0.out_features, s0.in_features)]

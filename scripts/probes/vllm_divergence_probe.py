@@ -1,0 +1,101 @@
+"""Where and why vLLM's float32 W4A4 log-probs leave qpass's rollout graph (issue 11 follow-up).
+
+    python scripts/probes/vllm_divergence_probe.py CKPT APPLY_DIR --out docs/results/vllm/divergence_probe.json
+
+For each probe prompt (one prompt per call, T = 1, seeded as in ``scripts/vllm_parity.py``) and for
+each engine configuration (vLLM default = prefix caching on; prefix caching off):
+
+* ``repeat_equal``: vLLM generates the same prompt twice with the same seed; tokens and log q equal?
+* per-token |log q_vLLM - log q_qpass| (qpass's float32 rollout graph replaying the same tokens,
+  batch 1), the first response position where it exceeds 1e-4, and the mean before / from there.
+* ``qpass_generate_vs_score``: qpass's own graph sampling then scoring its own tokens (control:
+  must be 0, else the replay itself is not the rollout's computation).
+
+Writes one JSON document; prints a one-line summary per (configuration, prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ckpt", type=Path)
+    ap.add_argument("apply_dir", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--configs", default="default,no_prefix_cache")
+    a = ap.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+
+    from qpass.backends.vllm.engine import VLLMRolloutEngine
+    from qpass.graph.model import load_model
+    from qpass.pipeline import Pipeline
+    from qpass.prompts import encode_chat, probe_prompts
+    from qpass.recipe import parse_recipe
+    from qpass.runtime.engine import make_rollout_engine
+
+    t0 = time.perf_counter()
+    report = json.loads((a.apply_dir / "report.json").read_text())
+    masters = load_file(str(a.apply_dir / "learner" / "model.safetensors"))
+    lm = load_model(report["model"].get("ref", "default"), dtype=torch.float32)
+    lm.model.load_state_dict({k: v.float() for k, v in masters.items()}, strict=False)
+    recipe = parse_recipe(report["recipe"]["text"], str(a.apply_dir / "rollout" / "recipe.yaml"))
+    ids = encode_chat(lm.tokenizer, probe_prompts(a.prompts))
+    pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=max(len(p) for p in ids) + a.max_new_tokens + 1)
+    _, rollout = pipe.build(recipe)
+    ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
+
+    res: dict = {"ckpt": str(a.ckpt), "apply_dir": str(a.apply_dir), "recipe": report["recipe"].get("name"), "configs": {}}
+    # control: qpass generate vs qpass score of its own tokens
+    ctl = []
+    for i, p in enumerate(ids):
+        b = ro.generate([p], max_new_tokens=a.max_new_tokens, seed=i)
+        r = b.responses[0][b.response_mask[0]].tolist()
+        lq, _ = ro.score([p], [r])
+        ctl.append(float((b.logq[0, : len(r)] - lq[0, : len(r)]).abs().max()))
+    res["qpass_generate_vs_score_max_abs"] = ctl
+    print("qpass generate vs score, max |d| per prompt:", ctl, flush=True)
+
+    kwargs = {"default": {}, "no_prefix_cache": {"enable_prefix_caching": False}}
+    for name in a.configs.split(","):
+        eng = VLLMRolloutEngine(a.ckpt, dtype="float32", batch_size=1, max_model_len=512, kv_cache_bytes=512 << 20,
+                                llm_kwargs=kwargs[name])
+        rows = []
+        for i, p in enumerate(ids):
+            b1 = eng.generate([p], max_new_tokens=a.max_new_tokens, seed=i)
+            b2 = eng.generate([p], max_new_tokens=a.max_new_tokens, seed=i)
+            r = b1.responses[0][b1.response_mask[0]].tolist()
+            r2 = b2.responses[0][b2.response_mask[0]].tolist()
+            rep = r == r2 and torch.equal(b1.logq[0, : len(r)], b2.logq[0, : len(r)])
+            lq, _ = ro.score([p], [r])
+            d = (b1.logq[0, : len(r)] - lq[0, : len(r)]).abs()
+            over = (d > 1e-4).nonzero().flatten().tolist()
+            k = over[0] if over else None
+            row = {"prompt": i, "prompt_tokens": len(p), "response_tokens": len(r), "repeat_equal": bool(rep),
+                   "repeat_max_abs": float((b1.logq[0, : min(len(r), len(r2))] - b2.logq[0, : min(len(r), len(r2))]).abs().max()) if r2 else None,
+                   "mean_abs": float(d.mean()), "max_abs": float(d.max()), "first_over_1e-4": k,
+                   "mean_before_first": float(d[:k].mean()) if k else None, "mean_from_first": float(d[k:].mean()) if k is not None else None,
+                   "per_token_abs": [float(x) for x in d]}
+            rows.append(row)
+            print(name, {kk: v for kk, v in row.items() if kk != "per_token_abs"}, flush=True)
+        eng.close()
+        dd = torch.tensor([x for row in rows for x in row["per_token_abs"]])
+        res["configs"][name] = {"llm_kwargs": kwargs[name], "mean_abs": float(dd.mean()), "max_abs": float(dd.max()), "rows": rows}
+    res["wall_s"] = time.perf_counter() - t0
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(a.out)
+    print({n: (c["mean_abs"], c["max_abs"]) for n, c in res["configs"].items()})
+
+
+if __name__ == "__main__":
+    main()
