@@ -338,3 +338,23 @@ def test_study_layer_restriction_keeps_rac_on_expert_w13():
     pat = rac.options.targets[0][3:]
     assert re.fullmatch(pat, "model.layers.1.mlp.experts.7.up_proj") and re.fullmatch(pat, "model.layers.0.mlp.experts.0.gate_proj")
     assert not re.fullmatch(pat, "model.layers.2.mlp.experts.7.up_proj") and not re.fullmatch(pat, "model.layers.1.mlp.experts.7.down_proj")
+
+
+def test_input_scale_calibration_skips_experts_a_prompt_does_not_reach():
+    """One token reaches 2 of 4 experts per layer; the others get an empty input, which must not crash
+    ``qpass export``'s input_scale calibration (it did on moe-default: ``amax()`` of an empty tensor)."""
+    from qpass.checkpoint.calibrate import input_amax
+    from qpass.moe import prepare_moe
+
+    m = tiny_moe("mixtral", dtype=torch.float32)
+    prepare_moe(m)
+    sites = [f"model.layers.0.mlp.experts.{e}.gate_proj" for e in range(E)]
+    amax = input_amax(m, sites, [[5]])
+    assert len(amax) == K_TOP and all(float(a) > 0 for a in amax.values())
+    from qpass.checkpoint.calibrate import group_input_amax
+
+    unreached: list[str] = []
+    g = group_input_amax(amax, {s: s for s in sites}, unreached)  # unreached experts: the layer's max for that projection
+    assert sorted(unreached) == sorted(set(sites) - set(amax)) and len(unreached) == E - K_TOP
+    top = max(float(a) for a in amax.values())
+    assert all(float(g[s]) == top for s in unreached)

@@ -12,6 +12,8 @@ Source: prior-art/nvfp4_semantics.md ("ModelOpt export" row: ``input_scale = ama
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -43,6 +45,8 @@ def input_amax(model: torch.nn.Module, sites: Iterable[str], batches: Sequence[S
             raise QuantizationError(f"calibration site {s} is not an nn.Linear of {type(model).__name__}")
 
         def hook(_mod, args, _site=s):  # noqa: ANN001
+            if args[0].numel() == 0:  # an MoE expert no token of this prompt was routed to
+                return
             a = args[0].detach().abs().amax().float().cpu()
             amax[_site] = torch.maximum(amax[_site], a) if _site in amax else a
         hooks.append(m.register_forward_pre_hook(hook))
@@ -60,16 +64,39 @@ def input_amax(model: torch.nn.Module, sites: Iterable[str], batches: Sequence[S
     return amax
 
 
-def group_input_amax(amax: Mapping[str, torch.Tensor], groups: Mapping[str, str]) -> dict[str, torch.Tensor]:
+_EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.\d+\.(?P<role>[^.]+)$")
+
+
+def group_input_amax(amax: Mapping[str, torch.Tensor], groups: Mapping[str, str],
+                     unreached: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Per site the max of its fused group's input amax (float32 0-d; members share one GEMM input).
+
+    An MoE expert site (``<layer>.experts.<e>.<role>``) that no calibration token was routed to
+    takes the max amax of the same ``<role>`` over that layer's experts that were reached (for the
+    W13 roles this is the amax of the layer's expert input over the calibration tokens routed
+    anywhere; for ``down`` a stand-in); such sites are appended to ``unreached``.
 
     Args:
         amax: per site max |x| (from :func:`input_amax`).
         groups: site -> fused-group id.
+        unreached: if given, collects the expert sites that took the fallback.
     Raises:
-        QuantizationError: a site without calibration data, or a group whose amax is 0 (its input
-            was all zeros on every calibration token: no scale can be derived).
+        QuantizationError: a site without calibration data (and no reached sibling expert), or a
+            group whose amax is 0 (its input was all zeros on every calibration token: no scale can be derived).
     """
+    amax = dict(amax)
+    sibling: dict[tuple[str, str], torch.Tensor] = {}
+    for s, a in amax.items():
+        m = _EXPERT.match(s)
+        if m:
+            k = (m["layer"], m["role"])
+            sibling[k] = torch.maximum(sibling[k], a) if k in sibling else a
+    for s in groups:
+        m = _EXPERT.match(s)
+        if s not in amax and m and (m["layer"], m["role"]) in sibling:
+            amax[s] = sibling[(m["layer"], m["role"])]
+            if unreached is not None:
+                unreached.append(s)
     gmax: dict[str, torch.Tensor] = {}
     for s, g in groups.items():
         if s not in amax:

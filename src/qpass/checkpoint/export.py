@@ -41,6 +41,38 @@ def sites_from_rollout(rollout: Any) -> dict[str, RolloutSite]:
     return out
 
 
+def engine_names(content: Any, model_type: str) -> Any:
+    """``content`` with every tensor and module name in the checkpoint naming engines load for
+    ``model_type`` (:func:`qpass.moe.export.engine_name`: Mixtral's ``block_sparse_moe.experts.E.w1``
+    for qpass's ``mlp.experts.E.gate_proj``; other model types unchanged): tensor keys, the
+    ``quantization_config`` RAC sites and excluded modules, ``hf_quant_config.json``'s lists."""
+    from qpass.moe.export import engine_name
+
+    if model_type != "mixtral":
+        return content
+
+    def ren(x: str) -> str:
+        return engine_name(x, model_type)
+
+    content.tensors = {ren(k): v for k, v in content.tensors.items()}
+    qc = content.config.get("quantization_config")
+    if isinstance(qc, dict):
+        qc = dict(qc)
+        for key in ("exclude_modules", "ignore"):
+            if isinstance(qc.get(key), list):
+                qc[key] = [ren(x) for x in qc[key]]
+        if isinstance(qc.get("rac"), dict):
+            qc["rac"] = {ren(k): v for k, v in sorted(qc["rac"].items())}
+        content.config = dict(content.config) | {"quantization_config": qc}
+    hf = content.extra_json.get("hf_quant_config.json")
+    if isinstance(hf, dict) and isinstance(hf.get("quantization", {}).get("exclude_modules"), list):
+        hf["quantization"]["exclude_modules"] = [ren(x) for x in hf["quantization"]["exclude_modules"]]
+        rac = hf.get("qpass", {}).get("not_represented", {}).get("rac_sites")
+        if isinstance(rac, list):
+            hf["qpass"]["not_represented"]["rac_sites"] = [ren(x) for x in rac]
+    return content
+
+
 def write_checkpoint(
     directory: str | Path,
     fmt: str,
@@ -77,12 +109,16 @@ def write_checkpoint(
 
         if not calibration_ids:
             raise QpassError(f"{len(w4a4)} W4A4 site(s) need calibration prompts for their input_scale")
-        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4)
+        unreached: list[str] = []
+        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4, unreached)
         record["calibration"] = {"sequences": len(calibration_ids), "tokens": sum(len(i) for i in calibration_ids),
                                  "input_scale": INPUT_SCALE_RULE}
+        if unreached:
+            record["calibration"]["experts_not_reached"] = {
+                "sites": sorted(unreached), "input_scale": "max over the same layer's reached experts of the same projection"}
     inputs = ExportInputs(plain_config(model, dtype), plain_state(model, dtype), sites, dict(site_tensors or {}), input_amax,
                           weight_arithmetic=weight_arithmetic(sites))
-    content = build_checkpoint(fmt, inputs)
+    content = engine_names(build_checkpoint(fmt, inputs), str(inputs.config.get("model_type", "")))
     record.update(content.summary, weight_arithmetic=inputs.weight_arithmetic if sites else None)
     record["files"] = write_hf_dir(directory, config=content.config, tensors=content.tensors, tokenizer=tokenizer,
                                    generation_config=getattr(model, "generation_config", None), extra_json=content.extra_json,

@@ -51,6 +51,31 @@ def checkpoint_name(site_tensor: str, model_type: str) -> str:
     return f"{m['layer']}.block_sparse_moe.experts.{m['e']}.{MIXTRAL_ROLES[m['role']]}.{m['tail']}"
 
 
+_MIXTRAL_EXPERT = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<e>\d+)\.(?P<role>gate_proj|up_proj|down_proj)(?P<tail>\..+)?$")
+_MIXTRAL_ROUTER = re.compile(r"^(?P<layer>.*)\.mlp\.gate(?P<tail>\..+)?$")
+
+
+def engine_name(name: str, model_type: str) -> str:
+    """The checkpoint name engines load for a qpass module or tensor name of a ``model_type`` model.
+
+    Unchanged except for ``mixtral``, whose Hugging Face checkpoints (what transformers'
+    ``save_pretrained`` writes, and what vLLM's ``MixtralForCausalLM`` loads) keep the pre-5.x module
+    names: ``model.layers.N.mlp.experts.E.gate_proj[.weight]`` ->
+    ``model.layers.N.block_sparse_moe.experts.E.w1[.weight]`` (``up_proj`` -> ``w3``, ``down_proj`` ->
+    ``w2``) and the router ``model.layers.N.mlp.gate[.weight]`` -> ``model.layers.N.block_sparse_moe.gate[.weight]``.
+    Works on module paths (RAC sites, excluded modules) as well as tensor names.
+    """
+    if model_type != "mixtral":
+        return name
+    m = _MIXTRAL_EXPERT.match(name)
+    if m:
+        return f"{m['layer']}.block_sparse_moe.experts.{m['e']}.{MIXTRAL_ROLES[m['role']]}{m['tail'] or ''}"
+    m = _MIXTRAL_ROUTER.match(name)
+    if m:
+        return f"{m['layer']}.block_sparse_moe.gate{m['tail'] or ''}"
+    return name
+
+
 def fused_moe_params(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert NVFP4 rollout tensors (``modelopt_fp4`` names) -> FusedMoE parameters per layer.
 

@@ -410,13 +410,15 @@ class VLLMRolloutEngine:
 
     def served_weights(self) -> dict[str, ServedSite]:
         """Per checkpoint site, the bytes the engine's parameters hold now (read back from the workers)."""
-        from qpass.backends.vllm.worker import assemble_served
+        from qpass.backends.vllm.worker import assemble_served, assemble_served_moe
 
         self._alive()
         opts = self.info.options
         if opts is None:
             return {}
-        return assemble_served(self.llm.collective_rpc("qpass_served"), opts.members, _group_of)
+        out = assemble_served(self.llm.collective_rpc("qpass_served"), opts.members, _group_of)
+        out.update(assemble_served_moe(self.llm.collective_rpc("qpass_served_moe")))
+        return out
 
 
 def _batch(prompts: Sequence[Sequence[int]], toks: list[list[int]], lps: list[list[float]], pad: int) -> RolloutBatch:

@@ -113,6 +113,28 @@ def check_all_loaded(layer: torch.nn.Module, prefix: str) -> None:
                                 "or weight update); refusing to serve")
 
 
+def _checked_moe_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
+    """Wrap vLLM's FusedMoE weight loader: refuse a checkpoint tensor of the wrong dtype (naming the
+    layer, expert and shard), and record ``(name, expert, shard)`` in ``layer.qpass_loaded`` when
+    the loader reports success."""
+
+    @functools.wraps(loader)
+    def qpass_checked_moe_loader(param: torch.Tensor, loaded_weight: torch.Tensor, weight_name: str = "", shard_id: str = "",
+                                 expert_id: int = 0, return_success: bool = False) -> Any:
+        if loaded_weight.dtype != param.dtype and not name.endswith("_input_scale"):
+            raise QuantizationError(f"{METHOD_NAME}: MoE layer {layer.qpass_site}, expert {expert_id}: checkpoint tensor {weight_name} "
+                                    f"(shard {shard_id}) has dtype {loaded_weight.dtype}, expected {param.dtype}")
+        if name.endswith("_input_scale"):
+            loaded_weight = loaded_weight.to(param.dtype)
+        ok = loader(param=param, loaded_weight=loaded_weight, weight_name=weight_name, shard_id=shard_id, expert_id=expert_id,
+                    return_success=True)
+        if ok:
+            layer.qpass_loaded.add((name, int(expert_id), str(shard_id)))
+        return ok if return_success else None
+
+    return qpass_checked_moe_loader
+
+
 @functools.lru_cache(maxsize=1)
 def plugin_classes() -> tuple[type, type]:
     """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing vLLM's bases.
@@ -120,6 +142,10 @@ def plugin_classes() -> tuple[type, type]:
     Raises:
         ImportError: vLLM is not installed.
     """
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod, register_weight_loader_v2_supported_method
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
     from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
@@ -174,6 +200,83 @@ def plugin_classes() -> tuple[type, type]:
                     return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
             return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
 
+    class QpassNvfp4FusedMoEMethod(FusedMoEMethodBase):
+        """qpass NVFP4 routed experts for vLLM (:mod:`qpass.checkpoint.moe_layer`; module docstring)."""
+
+        def __init__(self, quant_config: "QpassNvfp4Config", layer: torch.nn.Module, prefix: str) -> None:
+            super().__init__(layer.moe_config)
+            self.quant_config = quant_config
+            self.prefix = prefix
+            self.act = quant_config.options.act
+            self.ckpt_names = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
+            n = int(layer.moe_config.num_experts)
+            rac = quant_config.options.rac
+            self.rac13, self.rac2 = [], []
+            for e in range(n):
+                g, u = rac.get(f"{prefix}.{e}.{self.ckpt_names['w1']}"), rac.get(f"{prefix}.{e}.{self.ckpt_names['w3']}")
+                if g != u:
+                    raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}, expert {e}: gate and up have different RAC "
+                                            f"settings ({g} vs {u}); they share one input")
+                self.rac13.append(g if g is not None and g.ratio > 0 else None)
+                r2 = rac.get(f"{prefix}.{e}.{self.ckpt_names['w2']}")
+                self.rac2.append(r2 if r2 is not None and r2.ratio > 0 else None)
+
+        @property
+        def is_monolithic(self) -> bool:
+            return False
+
+        def uses_weight_scale_2_pattern(self) -> bool:
+            return True
+
+        def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                           params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+            from vllm.model_executor.utils import set_weight_attrs
+
+            from qpass.checkpoint.moe_layer import moe_param_specs
+
+            if int(getattr(layer.moe_config, "tp_size", 1) or 1) > 1 or getattr(layer.moe_config, "use_ep", False):
+                raise QuantizationError(f"{METHOD_NAME}: MoE layer {self.prefix}: tensor/expert parallel MoE is not supported "
+                                        "(RAC ranks channels over the whole K); serve with TP=1")
+            if num_experts != self.moe.num_experts:
+                raise QuantizationError(f"{METHOD_NAME}: MoE layer {self.prefix}: {num_experts} local of {self.moe.num_experts} experts")
+            weight_loader = extra_weight_attrs.get("weight_loader")
+            layer.qpass_site = self.prefix
+            layer.qpass_loaded = set()
+            layer.qpass_ckpt_names = dict(self.ckpt_names)
+            layer.num_experts = num_experts
+            layer.params_dtype = params_dtype
+            for p in moe_param_specs(num_experts, hidden_size, intermediate_size_per_partition, prefix=self.prefix):
+                param = torch.nn.Parameter(make_tensor(p), requires_grad=False)
+                layer.register_parameter(p.name, param)
+                kind = (FusedMoeWeightScaleSupported.TENSOR if p.name.endswith(("_scale_2", "_input_scale"))
+                        else FusedMoeWeightScaleSupported.BLOCK)
+                set_weight_attrs(param, {**extra_weight_attrs, "quant_method": kind.value,
+                                         "weight_loader": _checked_moe_loader(layer, p.name, weight_loader)})
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            from qpass.checkpoint.moe_layer import check_moe_loaded, finish_moe_loading
+
+            got = set(layer.qpass_loaded)
+            layer.qpass_loaded.clear()
+            check_moe_loaded(got, layer.w13_weight.shape[0], self.prefix, self.ckpt_names)
+            finish_moe_loading(layer, self.prefix, decode_cache=layer.w13_weight.device.type == "cpu")
+
+        def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
+            return None  # apply() never reaches vLLM's modular kernels
+
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  shared_experts: Any = None, shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
+            from qpass.checkpoint.moe_layer import served_moe
+
+            if shared_experts is not None:
+                raise QuantizationError(f"{METHOD_NAME}: MoE layer {self.prefix}: shared experts are not supported")
+            if getattr(layer, "apply_router_weight_on_input", False):
+                raise QuantizationError(f"{METHOD_NAME}: MoE layer {self.prefix}: apply_router_weight_on_input is not supported")
+            act = getattr(layer.activation, "value", str(layer.activation))
+            act = "silu" if act in ("silu", "silu_and_mul") else act
+            return served_moe(layer, x, topk_weights, topk_ids, act=self.act, rac13=self.rac13, rac2=self.rac2, site=self.prefix,
+                              activation=act)
+
     class QpassNvfp4Config(QuantizationConfig):
         """``quant_method: qpass_nvfp4`` in a checkpoint's ``quantization_config``."""
 
@@ -207,14 +310,33 @@ def plugin_classes() -> tuple[type, type]:
                 if self.options.is_excluded(prefix, self.packed_modules_mapping):
                     return UnquantizedLinearMethod()
                 return QpassNvfp4LinearMethod(self, prefix)
+            if isinstance(layer, RoutedExperts):
+                names = [f"{prefix}.0.{n}" for n in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)]
+                flags = [self.options.is_excluded(n) for n in names]
+                if all(flags):
+                    return UnquantizedFusedMoEMethod(layer.moe_config)
+                if any(flags):
+                    raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}: some expert projections excluded and some "
+                                            f"quantized ({names}); FusedMoE holds one format")
+                return QpassNvfp4FusedMoEMethod(self, layer, prefix)
             return None
 
     # Picklable by reference: vLLM's engine core runs in a spawned process (the default outside
     # ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and pickles the config; the child resolves
     # ``qpass.backends.vllm.plugin.QpassNvfp4Config`` through the module ``__getattr__`` below.
-    for c in (QpassNvfp4Config, QpassNvfp4LinearMethod):
+    for c in (QpassNvfp4Config, QpassNvfp4LinearMethod, QpassNvfp4FusedMoEMethod):
         c.__module__, c.__qualname__ = __name__, c.__name__
+    _MOE_CLASS.append(QpassNvfp4FusedMoEMethod)
     return QpassNvfp4Config, QpassNvfp4LinearMethod
+
+
+_MOE_CLASS: list[type] = []
+
+
+def moe_method_class() -> type:
+    """``QpassNvfp4FusedMoEMethod`` (vLLM's ``FusedMoEMethodBase`` subclass; builds the classes on first use)."""
+    plugin_classes()
+    return _MOE_CLASS[0]
 
 
 def __getattr__(name: str) -> type:
@@ -224,6 +346,8 @@ def __getattr__(name: str) -> type:
     Raises:
         AttributeError: any other name.
     """
+    if name == "QpassNvfp4FusedMoEMethod":
+        return moe_method_class()
     if name in ("QpassNvfp4Config", "QpassNvfp4LinearMethod"):
         cfg, method = plugin_classes()
         return cfg if name == "QpassNvfp4Config" else method
@@ -270,4 +394,4 @@ def _triton_ready() -> bool:
     return True
 
 
-__all__ = ["CHECKED", "check_all_loaded", "plugin_classes", "register", "vllm_available"]
+__all__ = ["CHECKED", "check_all_loaded", "moe_method_class", "plugin_classes", "register", "vllm_available"]

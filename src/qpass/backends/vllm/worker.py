@@ -21,6 +21,8 @@ from qpass.errors import QpassError
 
 WORKER_EXTENSION = "qpass.backends.vllm.worker.QpassWorkerExtension"
 METHOD_CLASS = "QpassNvfp4LinearMethod"
+MOE_METHOD_CLASS = "QpassNvfp4FusedMoEMethod"
+MOE_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale", "w2_weight_scale_2")
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -55,11 +57,24 @@ class QpassWorkerExtension:
             })
         return out
 
+    def qpass_served_moe(self) -> list[dict[str, Any]]:
+        """One record per ``qpass_nvfp4`` MoE layer (``QpassNvfp4FusedMoEMethod``) of this rank: its
+        name, checkpoint projection names per shard id (``w1``/``w3``/``w2``) and the raw bytes + shape
+        of ``w13_weight``, ``w13_weight_scale``, ``w13_weight_scale_2``, ``w2_weight``,
+        ``w2_weight_scale``, ``w2_weight_scale_2`` (the engine's own parameters)."""
+        out = []
+        for name, mod in self._qpass_model().named_modules():
+            if type(getattr(mod, "quant_method", None)).__name__ != MOE_METHOD_CLASS:
+                continue
+            out.append({"layer": getattr(mod, "qpass_site", name), "ckpt_names": dict(mod.qpass_ckpt_names),
+                        **{p: {"bytes": _raw(getattr(mod, p)), "shape": list(getattr(mod, p).shape)} for p in MOE_PARAMS}})
+        return out
+
     def qpass_digests(self) -> dict[str, str]:
         """sha256 of every parameter that is not part of a ``qpass_nvfp4`` layer (norms, embeddings,
         unquantized linears), by vLLM parameter name (HF name for those)."""
         model = self._qpass_model()
-        skip = {n for n, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ == METHOD_CLASS}
+        skip = {n for n, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ in (METHOD_CLASS, MOE_METHOD_CLASS)}
         out = {}
         for name, p in model.named_parameters():
             if name.rpartition(".")[0] not in skip:
@@ -112,9 +127,39 @@ def assemble_served(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: An
     return out
 
 
+def assemble_served_moe(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """Per-rank :meth:`QpassWorkerExtension.qpass_served_moe` records -> ``{checkpoint site: ServedSite}``
+    per expert projection (``<layer>.<e>.<gate name>`` = w13 rows ``[0, I)`` with global column 0,
+    ``<up name>`` = rows ``[I, 2I)`` with column 1, ``<down name>`` = w2); gate and up of one expert
+    form the group ``<layer>.<e>.w13``.
+
+    Raises:
+        QpassError: ranks disagree (the plugin serves MoE layers at TP=1 only, so every rank holds all experts).
+    """
+    from qpass.runtime.served import ServedSite
+
+    out: dict[str, ServedSite] = {}
+    seen: dict[str, bytes] = {}
+    for recs in per_rank:
+        for r in recs:
+            layer, names = r["layer"], r["ckpt_names"]
+            digest = b"".join(r[p]["bytes"] for p in MOE_PARAMS)
+            if seen.setdefault(layer, digest) != digest:
+                raise QpassError(f"vLLM MoE layer {layer}: ranks serve different expert bytes")
+            w13, s13, g13 = _tensor(r["w13_weight"], torch.uint8), _tensor(r["w13_weight_scale"], torch.float8_e4m3fn), _tensor(r["w13_weight_scale_2"], torch.float32)
+            w2, s2, g2 = _tensor(r["w2_weight"], torch.uint8), _tensor(r["w2_weight_scale"], torch.float8_e4m3fn), _tensor(r["w2_weight_scale_2"], torch.float32)
+            i = w13.shape[1] // 2
+            for e in range(w13.shape[0]):
+                grp = f"{layer}.{e}.w13"
+                out[f"{layer}.{e}.{names['w1']}"] = ServedSite(f"{layer}.{e}.{names['w1']}", "nvfp4", w13[e, :i].clone(), s13[e, :i].clone(), g13[e, 0].clone(), grp)
+                out[f"{layer}.{e}.{names['w3']}"] = ServedSite(f"{layer}.{e}.{names['w3']}", "nvfp4", w13[e, i:].clone(), s13[e, i:].clone(), g13[e, 1].clone(), grp)
+                out[f"{layer}.{e}.{names['w2']}"] = ServedSite(f"{layer}.{e}.{names['w2']}", "nvfp4", w2[e].clone(), s2[e].clone(), g2[e].clone(), f"{layer}.{e}.{names['w2']}")
+    return out
+
+
 def _tensor(rec: Mapping[str, Any], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(rec["bytes"]), dtype=torch.uint8)
     return raw.view(dtype).reshape(rec["shape"])
 
 
-__all__ = ["METHOD_CLASS", "QpassWorkerExtension", "WORKER_EXTENSION", "assemble_served"]
+__all__ = ["METHOD_CLASS", "MOE_METHOD_CLASS", "QpassWorkerExtension", "WORKER_EXTENSION", "assemble_served", "assemble_served_moe"]
