@@ -157,6 +157,10 @@ def variants(lib, full: bool = False):
                      X_PAIRS=pairs)
             yield (f"gemv[bm={bm},bn={bn},bk={bk},w={nw}{',lut' if dec else ''}{'' if pairs else ',x16'}"
                    f"{f',split={split}' if split > 1 else ''}]", gv, _sig(gv, tgv, c), c, nw, False)
+    # the row count as a compile-time 1: what Triton's specialization of an integer argument equal to 1
+    # produces at every M = 1 launch (the H200 run of e986d31 failed to compile exactly this case)
+    c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=0, X_PAIRS=True, M=1)
+    yield "gemv[bm=1,bn=8,bk=512,w=4,M=1 constexpr]", gv, _sig(gv, tgv, c), c, 4, False
     c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=False, OUT_DTYPE=tl.float32, DECODE=0, X_PAIRS=False)
     yield "gemv_f32_input[bm=1,bn=8,bk=512,w=4]", gv, _sig(gv, dict(tgv, x_ptr=P["f32"], out_ptr=P["f32"]), c), c, 4, False
     red = lib.nvfp4_gemm._splitk_reduce_kernel

@@ -92,7 +92,9 @@ def _per_word(v, BN: tl.constexpr, BK: tl.constexpr):
 def _gemv_row(acc, m: tl.constexpr, x_ptr, stride_xm, M, kpos, kmask, e0, e1, e2, e3, e4, e5, e6, e7,
               MASK_K: tl.constexpr, X_PAIRS: tl.constexpr):
     """``acc += sum_j e_j * x[m, kpos + j]`` for activation row ``m`` (masked off when ``m >= M``)."""
-    rm = tl.broadcast_to(M > m, kpos.shape)
+    # (M + zeros) > m, not broadcast_to(M > m): were M a compile-time 1 (Triton specializes integer
+    # arguments equal to 1), ``M > m`` would be a Python bool, which broadcast_to rejects
+    rm = (tl.full(kpos.shape, 0, tl.int32) + M) > m
     if MASK_K:
         rm = rm & kmask
     if X_PAIRS:
@@ -161,7 +163,7 @@ def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, 
 def _gemv_out(acc, m, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K: tl.constexpr,
               HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr):
     y = rsum(acc, 1)  # [BN]
-    omask = nmask & (M > m)
+    omask = nmask & ((tl.full(nmask.shape, 0, tl.int32) + M) > m)
     if SPLIT_K == 1:
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + ncols64, mask=nmask, other=0.0).to(tl.float32)
@@ -170,7 +172,7 @@ def _gemv_out(acc, m, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr
         tl.store(ws_ptr + (pid_k.to(tl.int64) * M + m) * N + ncols64, y, mask=omask)
 
 
-@triton.jit
+@triton.jit  # M = 1 is specialized by Triton (a compile-time 1): the body compiles either way (aot pins it)
 def _nvfp4_gemv_kernel(
     x_ptr, stride_xm,
     w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, w_sdec_ptr,
