@@ -190,6 +190,16 @@ def test_gemv_dispatch(monkeypatch):
         w4a16_linear_triton(x1, w.codes, w.scales, w.s_dec)
 
 
+def test_gemv_auto_row_limit_follows_the_measured_crossover():
+    """``auto``: Llama-8B weights (>= 16.8M elements) up to M = 2, SmolLM2 weights up to M = 4."""
+    assert GV.gemv_auto_max_m(4096, 4096) == 2
+    assert GV.gemv_auto_max_m(14336, 4096) == 2
+    assert GV.gemv_auto_max_m(4096, 14336) == 2
+    assert GV.gemv_auto_max_m(1536, 576) == 4
+    assert GV.gemv_auto_max_m(576, 1536) == 4
+    assert GV.gemv_auto_max_m(2048, 2048) == 4  # exactly 4M elements: not above the limit
+
+
 def test_gemv_split_heuristic():
     """Target shapes run unsplit (one launch); split-K only for few weight rows and long K."""
     assert GV.gemv_split(4096, 4096, 132) == 1

@@ -53,7 +53,8 @@ GEMV_MODES = ("auto", "on", "off")
 
 
 def default_gemv() -> str:
-    """Small-M GEMV routing: ``QPASS_NVFP4_GEMV`` = ``auto`` (default: the GEMV for M <= 4 on CUDA),
+    """Small-M GEMV routing: ``QPASS_NVFP4_GEMV`` = ``auto`` (default: the GEMV on CUDA for M <= 4, or
+    M <= 2 for weights above 4M elements: ``kernels.nvfp4_gemv.gemv_auto_max_m``),
     ``on`` (also under the CPU interpreter) or ``off`` (always the tensor-core GEMM)."""
     name = os.environ.get("QPASS_NVFP4_GEMV", "auto")
     if name not in GEMV_MODES:
@@ -77,7 +78,12 @@ def _use_gemv(lib, a, w_codes, a2, gemv: bool | None, accumulation: str | None) 
         return False
     if (accumulation or lib.nvfp4_gemm.default_accumulation()) == "mma":
         return False
-    return mode == "on" or (a.device.type == "cuda" and not wants_interpreter(a.device))
+    if mode == "on":
+        return True
+    # auto: CUDA only, and for large weights only up to gemv_auto_max_m rows (measured crossover)
+    n, k = w_codes.shape[0], a.shape[1]
+    return (a.device.type == "cuda" and not wants_interpreter(a.device)
+            and a.shape[0] <= lib.nvfp4_gemv.gemv_auto_max_m(n, k))
 
 
 def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None, accumulation=None,

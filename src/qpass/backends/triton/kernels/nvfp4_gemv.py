@@ -290,6 +290,19 @@ def gemv_split(n: int, k: int, num_sms: int) -> int:
     return max(1, min(8, 1 << ((num_sms // tiles).bit_length() - 1), 1 << ((k // 2048).bit_length() - 1)))
 
 
+# ``auto`` routing measured on the H200 (docs/results/h200/gemv/bench_gemv.json, 2026-12-03): time(old
+# GEMM path) / time(GEMV) at M = 1 / 2 / 4 was 1.53 / 1.14 / 0.83 on the Llama-8B shapes (N x K >= 16.8M
+# weights) and 2.05 / 2.24 / 1.88 on the SmolLM2 shapes (<= 0.9M): large weights take the GEMV up to
+# M = 2 only. ``on`` / ``gemv=True`` still serve every M <= MAX_M.
+AUTO_LARGE_NK = 1 << 22
+AUTO_MAX_M_LARGE = 2
+
+
+def gemv_auto_max_m(n: int, k: int) -> int:
+    """Most rows the ``auto`` route sends to the GEMV for an ``[n, k]`` weight (see the table above)."""
+    return AUTO_MAX_M_LARGE if n * k > AUTO_LARGE_NK else MAX_M
+
+
 def gemv_supported(a, w_codes) -> bool:
     """Whether :func:`launch_nvfp4_gemv` can serve this call: 1..MAX_M rows, unit column stride,
     code rows readable as aligned int32 words (``K % 16 == 0``, 4-byte aligned base)."""
