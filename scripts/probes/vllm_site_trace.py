@@ -8,7 +8,7 @@ call's input ``x`` and output. vLLM generates one token for the probe prompt (it
 float32 rollout graph scores that token (its prefill). Calls are matched by order within a layer and
 input kind (vLLM fuses q/k/v and gate/up: one call where qpass makes three / two calls on the same
 input). Per matched input: max |x_vLLM - x_qpass| / max |x|, whether the per-tensor activation global
-scale bits are equal, how many NVFP4 codes and E4M3 block-scale bytes differ, whether the RAC
+scale bits are equal, how many packed NVFP4 code bytes (two E2M1 codes each) and E4M3 block-scale bytes differ, whether the RAC
 channel sets are equal; and the relative output difference. Writes one JSON document.
 """
 
