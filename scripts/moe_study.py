@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace, *, t0: float) -> int:
     from qpass.apps.study.configs import RACOverride, study_recipe
-    from qpass.jsonio import write_json
     from qpass.parity.behavior import logprob_gap
     from qpass.pipeline import Pipeline
     from qpass.prompts import encode_chat, probe_prompts
@@ -108,22 +107,34 @@ def _run(a: argparse.Namespace, *, t0: float) -> int:
         mm = s["routing_mismatch"]["mean"]
         print(f"{key:12s} mean|d| {s['mean_abs']:.4f} (replay {s['routing_replay']['mean_abs']:.4f})  "
               f"max|d| {s['max_abs']:.3f} (replay {s['routing_replay']['max_abs']:.3f})  routing mismatch {mm:.4f}", flush=True)
+        _write(a, pipe.loaded.name, ratios, results, timings, t0, complete=False)  # a killed run keeps its pairs
+    _write(a, pipe.loaded.name, ratios, results, timings, t0, complete=True)
+    return 0
+
+
+def _write(a: argparse.Namespace, model: str, ratios: list[float], results: dict, timings: dict, t0: float, *,
+           complete: bool) -> None:
+    """Write ``moe_study.json`` / ``moe_study.md`` (atomic) with the pairs measured so far;
+    ``complete`` is False until every pair has run."""
+    from qpass.atomic import write_atomic
+    from qpass.jsonio import write_json
+
     timings["total_s"] = time.perf_counter() - t0
-    res = {"model": pipe.loaded.name, "device": a.device, "kernels": a.kernels, "layers": a.layers, "prompts": a.prompts, "samples": a.samples,
+    res = {"model": model, "device": a.device, "kernels": a.kernels, "layers": a.layers, "prompts": a.prompts, "samples": a.samples,
            "max_new_tokens": a.max_new_tokens, "seed": a.seed, "ratios_percent": ratios, "pairs": results,
-           "timings": timings, "command": " ".join(["python", "scripts/moe_study.py", *sys.argv[1:]])}
+           "timings": timings, "complete": complete, "command": " ".join(["python", "scripts/moe_study.py", *sys.argv[1:]])}
     a.out.mkdir(parents=True, exist_ok=True)
     write_json(a.out / "moe_study.json", res)
-    lines = [f"# MoE study: {pipe.loaded.name}", "", f"layers quantized: {a.layers or 'all'}; {a.prompts} prompts x "
+    lines = [f"# MoE study: {model}" + ("" if complete else " (incomplete: pairs so far)"), "", f"layers quantized: {a.layers or 'all'}; {a.prompts} prompts x "
              f"{a.samples} samples, {a.max_new_tokens} new tokens, seed {a.seed}; device {a.device}, kernels {a.kernels}; token means over valid sampled tokens", "",
              "| pair | learner | rollout | mean abs d | mean abs d, replay | max abs d | max abs d, replay | routing mismatch (mean over layers) | tokens |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, r in results.items():
         lines.append(f"| {key} | {r['learner']} | {r['rollout']} | {r['mean_abs']:.4f} | {r['routing_replay']['mean_abs']:.4f} | "
                      f"{r['max_abs']:.3f} | {r['routing_replay']['max_abs']:.3f} | {r['routing_mismatch']['mean']:.4f} | {r['tokens']} |")
-    (a.out / "moe_study.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    write_atomic(a.out / "moe_study.md", "\n".join(lines) + "\n")
+    if complete:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
