@@ -64,7 +64,8 @@ class E2EModel:
         """The same architecture flags (tied embeddings, rope theta, eps) at toy sizes, for ``--smoke``:
         2 layers, hidden 64, MLP 128, 4 heads / 2 KV heads of 16, vocab 256."""
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
+                     num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                     bos_token_id=1, eos_token_id=2)
         return E2EModel(f"{self.label} [toy sizes, smoke]", {**self.config, **small})
 
 
