@@ -15,7 +15,7 @@ set -u
 TOTAL_S=520        # whole script, < 540 s (9 min)
 SELFCHECK_S=180    # (a) selfcheck hard limit
 BENCH_MAX_S=300    # (b) benchmark budget cap
-E2E_S=150          # (b) of the benchmark budget, reserved for the end-to-end decode section
+E2E_S=180          # (b) of the benchmark budget, reserved for the end-to-end decode section
 MARGIN_S=40        # (b) hard stop after the budget: a step in progress may finish
 SUMMARY_S=10       # (c) summary
 set -o pipefail
@@ -40,6 +40,11 @@ if torch.cuda.is_available():
     print("device", p.name, "sm", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
 import qpass.backends.triton as qt
 print("qpass.backends.triton imported; kernels:", sorted(qt.TRITON_KERNELS))
+try:  # the end-to-end section builds its models with transformers' LlamaForCausalLM
+    import transformers
+    print("transformers", transformers.__version__)
+except Exception as e:
+    print("!!! transformers not importable (the end-to-end section will fail):", type(e).__name__, e)
 PY
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"

@@ -112,3 +112,24 @@ def test_targets_issue14_rows_on_hand_made_results():
         "end to end: quads_nvfp4 decode tokens/s vs bf16, m, B=16":
             (">= 0.8x", "0.50x (4000 vs 8000 tokens/s)", False),
     }
+
+
+def test_e2e_models_plan_and_flags():
+    """The two architectures as issue 14 names them, B-major priority order, and the CLI flags."""
+    from qpass.apps.bench import build_bench_parser
+    from qpass.backends.triton.bench import e2e_plan
+    from qpass.backends.triton.bench_e2e import LLAMA8B_4L, SMOLLM2_135M
+
+    s, b = SMOLLM2_135M.config, LLAMA8B_4L.config
+    assert (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
+            s["intermediate_size"], s["vocab_size"], s["tie_word_embeddings"], s["rms_norm_eps"],
+            s["rope_parameters"]["rope_theta"]) == (576, 30, 9, 3, 64, 1536, 49152, True, 1e-5, 100000.0)
+    assert (b["hidden_size"], b["num_hidden_layers"], b["num_attention_heads"], b["num_key_value_heads"], b["head_dim"],
+            b["intermediate_size"], b["vocab_size"], b["tie_word_embeddings"],
+            b["rope_parameters"]["rope_theta"]) == (4096, 4, 32, 8, 128, 14336, 128256, False, 500000.0)
+    assert [(m.label, n) for m, n in e2e_plan(False)] == [
+        (SMOLLM2_135M.label, 1), (LLAMA8B_4L.label, 1), (SMOLLM2_135M.label, 16), (LLAMA8B_4L.label, 16),
+        (SMOLLM2_135M.label, 64), (LLAMA8B_4L.label, 64)]
+    a = build_bench_parser().parse_args(["--e2e-only", "--e2e-budget-s", "0"])
+    assert (a.e2e_only, a.e2e_budget_s) == (True, 0.0)
+    assert build_bench_parser().parse_args([]).e2e_budget_s == 150.0

@@ -40,12 +40,18 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qpass.atomic import write_atomic
 from qpass.backends.triton.peers import GROUP, PEERS, gemlite_available, int4_g128_quantize
 from qpass.jsonio import write_json
+from qpass.ops import effective_backend, use_kernels
+
+if TYPE_CHECKING:
+    from qpass.backends.triton.bench_e2e import DecodeMeasurement, E2EModel
+    from qpass.pipeline import Pipeline
 
 L2_BYTES = 60 * 2**20  # H200
 SMOKE = {"on": False}  # --smoke: run the full-benchmark code path on CPU at toy sizes (no timings)
@@ -521,7 +527,7 @@ def e2e_plan(smoke: bool) -> list[tuple[object, int]]:
     return [(m, b) for b in batches[:2] for m in models] + [(m, b) for b in batches[2:] for m in models]
 
 
-def bench_e2e_point(res: Results, budget: Budget, spec, batch: int, pipes: dict) -> None:
+def bench_e2e_point(res: Results, budget: Budget, spec: "E2EModel", batch: int, pipes: dict) -> None:
     """One model at one static batch ``B``: every recipe of ``E2E_RECIPES`` built into the GRPO
     rollout engine (Triton kernels, decode step under CUDA graphs) and its decode step timed.
 
@@ -531,10 +537,7 @@ def bench_e2e_point(res: Results, budget: Budget, spec, batch: int, pipes: dict)
     bit-identical to an eager call of the same step), the graph status, the kernels that ran, sizes.
     ``pipes`` caches the captured :class:`~qpass.pipeline.Pipeline` per model label across points.
     """
-    from qpass.backends.triton.bench_e2e import (
-        E2E_RECIPES, build_model, decode_inputs, measure_decode, prepare_pipeline, rollout_engine, with_step_batch,
-    )
-    from qpass.ops import effective_backend, use_kernels
+    from qpass.backends.triton.bench_e2e import E2E_RECIPES, build_model, prepare_pipeline, with_step_batch
 
     smoke, dev = SMOKE["on"], _dev()
     max_len, prompt_len = (32, 8) if smoke else (E2E_MAX_LEN, E2E_PROMPT_LEN)
@@ -560,11 +563,7 @@ def bench_e2e_point(res: Results, budget: Budget, spec, batch: int, pipes: dict)
             continue
         try:
             t0 = time.monotonic()
-            with use_kernels("triton"):
-                ro = rollout_engine(pipe, recipe, kernels="triton", smoke=smoke)
-                args = decode_inputs(ro, prompt_len=prompt_len, vocab_size=cfg["vocab_size"], device=dev)
-                meas = measure_decode(ro, args, smoke=smoke)
-            ro = None  # the rollout clone and its graph go before the next recipe is built
+            meas = _e2e_measure(pipe, recipe, prompt_len, cfg["vocab_size"])
         except Exception as exc:  # noqa: BLE001 - one recipe failing is reported, the others still run
             res.errors.append(f"{E2E_SECTION} / {spec.label}: {recipe} B={batch}: {type(exc).__name__}: {str(exc)[:300]}")
             row(recipe, mode="failed")
@@ -577,10 +576,19 @@ def bench_e2e_point(res: Results, budget: Budget, spec, batch: int, pipes: dict)
         if not meas.equals_eager:
             res.errors.append(f"{E2E_SECTION} / {spec.label}: {recipe} B={batch}: replayed decode logits differ "
                               "from the eager step's")
-        if recipe == "bf16":
-            base = r
-        if base is not None:
-            r.vs_bf16 = base.time_us / t
+        base = r if recipe == "bf16" else base
+        r.vs_bf16 = base.time_us / t if base is not None else None
+
+
+def _e2e_measure(pipe: "Pipeline", recipe: str, prompt_len: int, vocab_size: int) -> "DecodeMeasurement":
+    """Build ``recipe``'s rollout engine on the Triton kernels, prefill, time its decode step
+    (:func:`qpass.backends.triton.bench_e2e.measure_decode`); the engine is dropped on return."""
+    from qpass.backends.triton.bench_e2e import decode_inputs, measure_decode, rollout_engine
+
+    with use_kernels("triton"):
+        ro = rollout_engine(pipe, recipe, kernels="triton", smoke=SMOKE["on"])
+        args = decode_inputs(ro, prompt_len=prompt_len, vocab_size=vocab_size, device=_dev())
+        return measure_decode(ro, args, smoke=SMOKE["on"])
 
 
 def _dev() -> torch.device:
