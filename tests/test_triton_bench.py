@@ -98,6 +98,11 @@ def test_bench_full_code_path_smoke_cpu(tmp_path):
     assert {r["k"] for r in peer if r["time_us"]} == {128} and all(r["mode"].startswith("n/a") for r in peer if r["k"] == 96)
     assert all(0 < r["extra"]["rel_err_vs_own_dequant"] < 1e-2 and r["vs_bf16"] for r in peer if r["time_us"])
     assert any("vs the best 4-bit peer" in t["name"] for t in data["targets"])
+    # the end-to-end decode section runs in the full run too (after the priority kernel steps)
+    e2e = [r for r in data["rows"] if r["section"] == bench.E2E_SECTION]
+    assert len(e2e) == 16 and all(r["time_us"] and r["extra"]["replay_equals_eager"] for r in e2e)
+    sections = list(dict.fromkeys(r["section"] for r in data["rows"]))
+    assert sections.index(bench.E2E_SECTION) > sections.index("prefill (Llama-8B shapes)")
 
 
 def test_bench_gemv_only_smoke_cpu(tmp_path):

@@ -18,7 +18,7 @@ import argparse
 
 def build_bench_parser(prog: str = "qpass bench") -> argparse.ArgumentParser:
     """The ``qpass bench`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_threads, add_verbose, pos_float
+    from qpass.apps.cliutil import add_threads, add_verbose, nonneg_float, pos_float
 
     ap = argparse.ArgumentParser(prog=prog, description="Triton kernel benchmarks: ratios against baselines timed in the same run")
     ap.add_argument("--quick", action="store_true", help="CPU interpreter, tiny shapes, correctness only (< 1 min)")
@@ -27,6 +27,11 @@ def build_bench_parser(prog: str = "qpass bench") -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
     ap.add_argument("--gemv-only", action="store_true",
                     help="only the decode M <= 4 grid (small-M GEMV vs the GEMM path, BF16, FP8, INT4 peers)")
+    ap.add_argument("--e2e-only", action="store_true",
+                    help="only the end-to-end decode step under CUDA graphs (SmolLM2-135M architecture and a 4-layer "
+                         "Llama-8B-shaped stack, random weights; recipes bf16, w4a16_qat, naive_nvfp4, quads_nvfp4)")
+    ap.add_argument("--e2e-budget-s", type=nonneg_float, default=150.0,
+                    help="seconds of --budget-s reserved for the end-to-end section in the full run (default: %(default)s)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # full code path on CPU, toy sizes
     add_threads(ap)
     add_verbose(ap)
@@ -48,4 +53,4 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(a.threads)
     return bench.run(bench.BenchOptions(quick=a.quick, out=a.out, budget_s=a.budget_s, seed=a.seed, smoke=a.smoke,
-                                        gemv_only=a.gemv_only))
+                                        gemv_only=a.gemv_only, e2e_only=a.e2e_only, e2e_budget_s=a.e2e_budget_s))
