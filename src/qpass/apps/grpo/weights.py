@@ -40,7 +40,9 @@ from typing import Any
 import torch
 
 from qpass.graph.qgraph import QGraph
-from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_quantize
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor
+from qpass.quant.weights import cached_reference_quantize
 
 __all__ = [
     "MasterOptimizer",
@@ -327,6 +329,12 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
         fingerprints: ``SyncReport.fingerprints`` of that sync (group id or FP8 site -> hash).
     Returns:
         :class:`SyncVerification`.
+
+    Inside :func:`qpass.quant.reuse.reuse_weight_quantization` (the GRPO step) the learner-side
+    quantization of a weight at the same version, amax bits and spec as the sync's is the sync's
+    own result (not recomputed): the check then covers membership, amax, the rollout buffers and
+    the reported fingerprint, while quantizer determinism is left to the full bit-exact check
+    (which runs without reuse).
     """
     from qpass import ops  # noqa: F401 - registers qpass::group_amax
 
@@ -343,7 +351,7 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
             amax = torch.ops.qpass.group_amax([lparams[rollout.quant[s].weight].detach() for s in sids])
         for sid in sids:
             w = lparams[(learner.quant[sid] if aligned else rollout.quant[sid]).weight].detach()
-            q = nvfp4_quantize(w, amax, site=sid)
+            q = cached_reference_quantize(NVFP4_WEIGHT, w, amax, site=sid)
             parts_l += [q.codes, q.scales, q.s_dec]
             c = rollout.quant[sid].constants
             parts_r += [rollout.gm.get_buffer(c[k]) for k in ("codes", "scales", "s_dec")]
@@ -353,10 +361,8 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
         if not (fl == fr == fs):
             mismatches.append(f"{gid}: learner-side {fl}, rollout bytes {fr}, sync report {fs}")
     for sid in _fp8_sites(rollout):
-        from qpass.quant.fp8 import fp8_quantize
-
         rec = rollout.quant[sid]
-        q = fp8_quantize(lparams[rec.weight].detach(), spec=rec.spec, site=sid)
+        q = cached_reference_quantize(rec.spec, lparams[rec.weight].detach(), None, site=sid)
         c = rec.constants
         fl = _fingerprint(q.data, q.scale)
         fr = _fingerprint(rollout.gm.get_buffer(c["data"]), rollout.gm.get_buffer(c["scale"]))
