@@ -30,6 +30,14 @@ def tensor_amax(x: torch.Tensor, *, per_row: bool = False) -> torch.Tensor:
     return a.amax().float()
 
 
+def member_amax(t: torch.Tensor) -> torch.Tensor:
+    """:func:`tensor_amax` of one weight (float32 0-dim), computed once per tensor version inside
+    :func:`qpass.quant.reuse.reuse_weight_quantization` (an in-place write to ``t`` invalidates it)."""
+    from qpass.quant.reuse import memo
+
+    return memo("amax", (t,), None, lambda: tensor_amax(t))
+
+
 def group_amax(
     tensors: Sequence[torch.Tensor],
     *,
@@ -49,7 +57,7 @@ def group_amax(
     """
     if len(tensors) == 0:
         raise QuantizationError("group_amax needs at least one tensor")
-    amax = torch.stack([tensor_amax(t).to(tensors[0].device) for t in tensors]).amax()
+    amax = torch.stack([member_amax(t).to(tensors[0].device) for t in tensors]).amax()
     return allreduce_max(amax, process_group)
 
 

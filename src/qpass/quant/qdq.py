@@ -22,13 +22,19 @@ from __future__ import annotations
 import torch
 
 from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec, nvfp4_weight_spec
+from qpass.quant.groups import member_amax
 from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.reuse import amax_bits, memo, reuse_active
 
 
 @torch.library.custom_op("qpass::group_amax", mutates_args=())
 def group_amax_op(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """float32 0-dim max|t| over all tensors (exact)."""
-    return torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
+    """float32 0-dim max|t| over all tensors (exact).
+
+    Inside :func:`qpass.quant.reuse.reuse_weight_quantization` each member's max|t| is computed once
+    per tensor version (:func:`qpass.quant.groups.member_amax`).
+    """
+    return torch.stack([member_amax(t) for t in tensors]).amax()
 
 
 @group_amax_op.register_fake
@@ -50,9 +56,20 @@ group_amax_op.register_autograd(_no_grad_backward, setup_context=_no_grad_setup)
 @torch.library.custom_op("qpass::nvfp4_qdq", mutates_args=())
 def nvfp4_qdq_op(w: torch.Tensor, amax: torch.Tensor, site: str, arithmetic: str = "te_reference") -> torch.Tensor:
     """Reference NVFP4 weight fake-quant (see module docstring); ``arithmetic`` = ``NVFP4Spec.arithmetic``
-    (``te_reference`` | ``modelopt``; graphs built before the option call it with three arguments)."""
-    q = nvfp4_quantize(w, amax, spec=nvfp4_weight_spec(arithmetic), name="weight", site=site or None)
-    return nvfp4_dequantize(q, w.dtype)
+    (``te_reference`` | ``modelopt``; graphs built before the option call it with three arguments).
+
+    Inside :func:`qpass.quant.reuse.reuse_weight_quantization` the dequantized weight is computed
+    once per ``(w version, amax bits, arithmetic)`` and a clone is returned (a write to ``w``, e.g.
+    an optimizer step, invalidates it); outside it every call quantizes.
+    """
+
+    def compute() -> torch.Tensor:
+        q = nvfp4_quantize(w, amax, spec=nvfp4_weight_spec(arithmetic), name="weight", site=site or None)
+        return nvfp4_dequantize(q, w.dtype)
+
+    if not reuse_active():
+        return compute()
+    return memo("nvfp4_qdq", (w,), (amax_bits(amax), arithmetic), compute).clone()
 
 
 @nvfp4_qdq_op.register_fake

@@ -58,8 +58,11 @@ def quantize_site_weights(
     Raises:
         QuantizationError: a member is not encodable (NaN/inf, bad K ...); the message names
             that member, never another one of the group.
+
+    Inside :func:`qpass.quant.reuse.reuse_weight_quantization` each member's amax and quantized
+    tensor are computed once per weight version (:func:`cached_reference_quantize`).
     """
-    from qpass.tables import entry, reference_quantize
+    from qpass.tables import entry
 
     names = dict(names or {})
     lowering = entry("rollout_lower", spec)
@@ -69,9 +72,28 @@ def quantize_site_weights(
     amax = group_amax(members, process_group=process_group) if spec.has_global_scale else None
     out = {}
     for sid, w in weights_of_group.items():
-        q = reference_quantize(spec, w.detach(), amax, site=sid, name=names.get(sid, sid))
+        q = cached_reference_quantize(spec, w.detach(), amax, site=sid, name=names.get(sid, sid))
         out[sid] = SiteWeights(q, lowering.constants(q), _flushed(q))
     return out
+
+
+def cached_reference_quantize(spec: QuantSpec, w: torch.Tensor, amax: torch.Tensor | None, *, site: str | None = None,
+                              name: str | None = None) -> Any:
+    """``qpass.tables.reference_quantize(spec, w, amax, site, name)``, memoized per ``(w version, amax
+    bits, spec)`` inside :func:`qpass.quant.reuse.reuse_weight_quantization` (outside: a plain call).
+
+    Args:
+        spec: a weight spec; w: the weight ``[N, K]`` (bf16/fp16/fp32); amax: float32 0-dim group
+            amax or None; site, name: for error messages only (not part of the key).
+    Returns:
+        the quantized tensor (shared with other callers in the context: read-only).
+    """
+    from qpass.quant.reuse import amax_bits, memo, reuse_active
+    from qpass.tables import reference_quantize
+
+    if not reuse_active():
+        return reference_quantize(spec, w, amax, site=site, name=name)
+    return memo("reference", (w,), (spec, amax_bits(amax)), lambda: reference_quantize(spec, w, amax, site=site, name=name))
 
 
 def _flushed(q: Any) -> int:

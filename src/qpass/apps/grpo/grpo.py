@@ -78,6 +78,7 @@ import torch
 from qpass.diagnostics import clip_branch_disagreement, mismatch_metrics, update_visibility_groups
 from qpass.graph.qgraph import QGraph
 from qpass.prompts import encode_chat
+from qpass.quant.reuse import ReuseStore, reuse_weight_quantization
 from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches, response_logprobs
 from qpass.apps.grpo.jsonl import append_jsonl
 from qpass.rl.loss import Correction, LossConfig, correction_weights, group_advantages, grpo_loss
@@ -348,6 +349,10 @@ class GRPOTrainer:
             (:func:`qpass.parity.served.check_learner_bytes`). The optimizer comes from the
             engine's ``make_optimizer(MasterOptimizer, ...)`` when it has one (a sharded learner
             steps on every rank). ``loss.beta > 0`` is refused (no reference policy for it).
+    Attributes:
+        quant_reuse: the :class:`qpass.quant.reuse.ReuseStore` the step's weight quantizations share
+            (cleared after every step; replace it by ``ReuseStore(enabled=False)`` to compute every
+            quantization, e.g. for an A/B measurement: the results are the same bits).
     Raises:
         ValueError: bad graph kinds, no tokenizer ids, ``cfg.shadow`` without ``shadow``,
             ``minibatches`` larger than the number of micro-batches, or eval problems missing.
@@ -422,6 +427,9 @@ class GRPOTrainer:
                 raise ValueError("the shadow must be its own engine, not the trainer's rollout graph")
             self.shadow = as_rollout_engine(shadow, pad_token_id=int(pad), eos_token_id=self.eos_ids)
         self.aligned = has_learner_qdq(learner) and bool(nvfp4_groups(rollout))
+        # weight-quantization results reused within one step (qpass.quant.reuse; keyed on tensor versions);
+        # ReuseStore(enabled=False) computes every quantization (A/B measurement, equality tests)
+        self.quant_reuse = ReuseStore()
         self.snapshot = snapshot_rollout_constants(rollout)
         self.paths = {k: Path(v) if v is not None else None
                       for k, v in (("metrics", metrics_path), ("layerwise", layerwise_path), ("eval", eval_path))}
@@ -613,24 +621,27 @@ class GRPOTrainer:
                 self.opt.zero_grad()
                 agg.start_minibatch()
                 did = False
-                for j in group:
-                    idx = micro[j].to(mask.device)
-                    sub = exp.select(idx)
-                    if not bool(sub.response_mask.any()) or (cfg.loss.beta == 0 and not bool((adv[idx] != 0).any())):
-                        agg.micro_skipped += 1
-                        continue
-                    logp, _ = response_logprobs(self.le, sub, temperature=cfg.temperature, top_p=cfg.top_p)
-                    out = grpo_loss(logp, lprox[idx], sub.logq, adv[idx], sub.response_mask, cfg.loss,
-                                    logp_ref=None if lref is None else lref[idx], normalizer=norm)
-                    out.loss.backward()
-                    did = True
-                    agg.add(out.stats)
-                    forwards.append((idx, logp.detach()))
-                    if epoch == 0 and g == 0:
-                        with torch.no_grad():
-                            d = torch.where(sub.response_mask, (logp.detach() - lprox[idx]).abs(), torch.zeros_like(logp))
-                            d = torch.nan_to_num(d, nan=math.inf)
-                            first_dev = max(first_dev or 0.0, float(d.max()))
+                # the step's store: the first minibatch reuses the proximal pass's QDQ, later micro-batches of a
+                # minibatch the first one's; opt.step (outside the block) bumps the versions, so it invalidates
+                with reuse_weight_quantization(self.quant_reuse):
+                    for j in group:
+                        idx = micro[j].to(mask.device)
+                        sub = exp.select(idx)
+                        if not bool(sub.response_mask.any()) or (cfg.loss.beta == 0 and not bool((adv[idx] != 0).any())):
+                            agg.micro_skipped += 1
+                            continue
+                        logp, _ = response_logprobs(self.le, sub, temperature=cfg.temperature, top_p=cfg.top_p)
+                        out = grpo_loss(logp, lprox[idx], sub.logq, adv[idx], sub.response_mask, cfg.loss,
+                                        logp_ref=None if lref is None else lref[idx], normalizer=norm)
+                        out.loss.backward()
+                        did = True
+                        agg.add(out.stats)
+                        forwards.append((idx, logp.detach()))
+                        if epoch == 0 and g == 0:
+                            with torch.no_grad():
+                                d = torch.where(sub.response_mask, (logp.detach() - lprox[idx]).abs(), torch.zeros_like(logp))
+                                d = torch.nan_to_num(d, nan=math.inf)
+                                first_dev = max(first_dev or 0.0, float(d.max()))
                 if did:
                     agg.end_minibatch()
                     agg.opt.append(self.opt.step(cfg.grad_clip))
@@ -666,7 +677,21 @@ class GRPOTrainer:
             final: this is the run's last step (forces the bit-exact check, eval and diagnostics).
         Raises:
             ParityError: a parity check failed and ``cfg.on_parity_failure == "raise"``.
+
+        Weight quantization is reused within the step (:mod:`qpass.quant.reuse`, the trainer's
+        store): the proximal pass quantizes each learner weight once for all its micro-batches and
+        the first minibatch of the update reuses it; every optimizer step bumps the parameters'
+        versions, so later minibatches quantize the new weights; the verification reuses the
+        sync's quantization of the same master weights (its learner-side fingerprint still uses
+        the learner's own group membership and amax: a different amax is another key and is
+        quantized afresh). The full bit-exact check and the next step start from an empty store.
         """
+        try:
+            return self._step(final)
+        finally:
+            self.quant_reuse.clear()  # nothing carried into the next step (or past an exception)
+
+    def _step(self, final: bool) -> dict[str, Any]:
         from qpass.parity.checker import check_weights_bitexact
 
         cfg = self.cfg
@@ -717,8 +742,9 @@ class GRPOTrainer:
         # 3. proximal (and reference) log-probs, before any update
         t0 = time.perf_counter()
         micro = micro_batches(exp.n, self.micro)
-        lprox, ent = self._score(self.le, exp, micro, entropy=True)
-        lref = self._score(self.ref, exp, micro, entropy=False)[0] if self.ref is not None else None
+        with reuse_weight_quantization(self.quant_reuse):  # same weights: each site's QDQ once for all micro-batches
+            lprox, ent = self._score(self.le, exp, micro, entropy=True)
+            lref = self._score(self.ref, exp, micro, entropy=False)[0] if self.ref is not None else None
         row["time/prox_s"] = time.perf_counter() - t0
         n_valid = int(mask.sum())
         row["entropy/token_mean"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum()) / n_valid if n_valid else float("nan")
@@ -733,7 +759,8 @@ class GRPOTrainer:
         lshadow = None
         if self.shadow is not None:
             t0 = time.perf_counter()
-            self.shadow.update_weights(shadow_weights(self.learner_qg, self.le.export_weights(), mode=cfg.shadow_weights))
+            with reuse_weight_quantization(self.quant_reuse):
+                self.shadow.update_weights(shadow_weights(self.learner_qg, self.le.export_weights(), mode=cfg.shadow_weights))
             lshadow = score_sampled(self.shadow, exp, self.ro.batch_size, temperature=cfg.temperature, top_p=cfg.top_p)
             row.update(mismatch_metrics(lshadow, exp.logq, mask, ess_cap=cfg.ess_cap).to_dict("shadow_gap/"))
             row.update(mismatch_metrics(lprox, lshadow, mask, ess_cap=cfg.ess_cap).to_dict("prox_shadow_gap/"))
@@ -754,12 +781,14 @@ class GRPOTrainer:
         masters = self.le.export_weights()
         if self.external:
             self._mirror(masters)
-        rep = self.graph_ro.update_weights(masters)
-        row.update({"parity/sync_copied": rep.copied, "parity/sync_requantized": rep.requantized,
-                    "time/sync_s": time.perf_counter() - t0})
-        engine_failure = self._sync_engine(masters, row) if self.ro is not self.graph_ro else None
-        t0 = time.perf_counter()
-        ver = verify_sync(self.learner_qg, self.rollout_qg, rep.fingerprints)
+        with reuse_weight_quantization(self.quant_reuse):  # the sync's quantization, reused by the verification
+            rep = self.graph_ro.update_weights(masters)
+            row.update({"parity/sync_copied": rep.copied, "parity/sync_requantized": rep.requantized,
+                        "time/sync_s": time.perf_counter() - t0})
+            engine_failure = self._sync_engine(masters, row) if self.ro is not self.graph_ro else None
+            t0 = time.perf_counter()
+            ver = verify_sync(self.learner_qg, self.rollout_qg, rep.fingerprints)
+        self.quant_reuse.clear()  # the full bit-exact check below and the next step quantize afresh
         row.update(ver.to_dict("parity/"))
         failures: list[str] = [] if ver.ok else [f"sync fingerprints: {ver.mismatches[:3]}"]
         if engine_failure:

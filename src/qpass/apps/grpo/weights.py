@@ -40,7 +40,9 @@ from typing import Any
 import torch
 
 from qpass.graph.qgraph import QGraph
-from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_quantize
+from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor
+from qpass.quant.weights import cached_reference_quantize
 
 __all__ = [
     "MasterOptimizer",
@@ -240,7 +242,11 @@ def byte_visibility(before: RolloutConstants, after: RolloutConstants) -> dict[s
     """
     if set(before.nvfp4) != set(after.nvfp4) or set(before.fp8) != set(after.fp8):
         raise ValueError("byte_visibility: the snapshots hold different sites")
-    nc = ncc = ns = nsc = ng = ngc = 0
+    # counts stay on the device; the host reads them once at the end (one sync, not several per site)
+    nc = ns = ng = nf = nfs = 0
+    counts: list[torch.Tensor] = []  # [global changes, code changes, scale changes, fp8 data, fp8 scale] per site
+    blocks: list[tuple[torch.Tensor, ...]] = []  # per site: raw (block) bytes of both snapshots, flattened to [n, 8] / [n]
+    half = BLOCK // 2
     for sid, (c0, s0, d0) in before.nvfp4.items():
         c1, s1, d1 = after.nvfp4[sid]
         if c0.shape != c1.shape or s0.shape != s1.shape:
@@ -248,27 +254,29 @@ def byte_visibility(before: RolloutConstants, after: RolloutConstants) -> dict[s
         nc += c0.numel() * 2
         ns += s0.numel()
         ng += d0.numel()
-        ngc += int((d0.float().view(torch.int32) != d1.float().view(torch.int32)).sum())
-        # canonical bytes can only differ in blocks whose raw bytes differ: canonicalize just those
+        counts.append((d0.float().view(torch.int32) != d1.float().view(torch.int32)).sum())
         sb0 = s0.view(torch.uint8) if s0.dtype != torch.uint8 else s0
         sb1 = s1.view(torch.uint8) if s1.dtype != torch.uint8 else s1
-        half = BLOCK // 2
-        cb0 = c0.reshape(*c0.shape[:-1], c0.shape[-1] // half, half)
-        cb1 = c1.reshape(*c1.shape[:-1], c1.shape[-1] // half, half)
+        blocks.append((c0.reshape(-1, half), c1.reshape(-1, half), sb0.reshape(-1), sb1.reshape(-1)))
+    if blocks:
+        # canonical bytes can only differ in blocks whose raw bytes differ: canonicalize just those
+        cb0, cb1, sb0, sb1 = (torch.cat([b[i] for b in blocks]) for i in range(4))
         raw = (sb0 != sb1) | (cb0 != cb1).any(dim=-1)
-        if not bool(raw.any()):
-            continue
         a_codes, a_sb = _canonical_blocks(cb0[raw], sb0[raw])
         b_codes, b_sb = _canonical_blocks(cb1[raw], sb1[raw])
-        ncc += int((a_codes != b_codes).sum())
-        nsc += int((a_sb != b_sb).sum())
-    nf = nfc = nfs = nfsc = 0
+        counts_nv = torch.stack([(a_codes != b_codes).sum(), (a_sb != b_sb).sum()])
     for sid, (x0, sc0) in before.fp8.items():
         x1, sc1 = after.fp8[sid]
         nf += x0.numel()
-        nfc += int((x0.view(torch.uint8) != x1.view(torch.uint8)).sum())
         nfs += sc0.numel()
-        nfsc += int((sc0.float().view(torch.int32) != sc1.float().view(torch.int32)).sum())
+        counts.append((x0.view(torch.uint8) != x1.view(torch.uint8)).sum())
+        counts.append((sc0.float().view(torch.int32) != sc1.float().view(torch.int32)).sum())
+    host = [int(v) for v in torch.stack([c.to(counts[0].device) for c in counts]).tolist()] if counts else []
+    n_nv = len(before.nvfp4)
+    ngc = sum(host[:n_nv])
+    nfc = sum(host[n_nv::2])
+    nfsc = sum(host[n_nv + 1::2])
+    ncc, nsc = (int(v) for v in counts_nv.tolist()) if blocks else (0, 0)
     nan = float("nan")
     return {
         "code_frac": ncc / nc if nc else nan,
@@ -327,6 +335,12 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
         fingerprints: ``SyncReport.fingerprints`` of that sync (group id or FP8 site -> hash).
     Returns:
         :class:`SyncVerification`.
+
+    Inside :func:`qpass.quant.reuse.reuse_weight_quantization` (the GRPO step) the learner-side
+    quantization of a weight at the same version, amax bits and spec as the sync's is the sync's
+    own result (not recomputed): the check then covers membership, amax, the rollout buffers and
+    the reported fingerprint, while quantizer determinism is left to the full bit-exact check
+    (which runs without reuse).
     """
     from qpass import ops  # noqa: F401 - registers qpass::group_amax
 
@@ -343,7 +357,7 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
             amax = torch.ops.qpass.group_amax([lparams[rollout.quant[s].weight].detach() for s in sids])
         for sid in sids:
             w = lparams[(learner.quant[sid] if aligned else rollout.quant[sid]).weight].detach()
-            q = nvfp4_quantize(w, amax, site=sid)
+            q = cached_reference_quantize(NVFP4_WEIGHT, w, amax, site=sid)
             parts_l += [q.codes, q.scales, q.s_dec]
             c = rollout.quant[sid].constants
             parts_r += [rollout.gm.get_buffer(c[k]) for k in ("codes", "scales", "s_dec")]
@@ -353,10 +367,8 @@ def verify_sync(learner: QGraph, rollout: QGraph, fingerprints: Mapping[str, str
         if not (fl == fr == fs):
             mismatches.append(f"{gid}: learner-side {fl}, rollout bytes {fr}, sync report {fs}")
     for sid in _fp8_sites(rollout):
-        from qpass.quant.fp8 import fp8_quantize
-
         rec = rollout.quant[sid]
-        q = fp8_quantize(lparams[rec.weight].detach(), spec=rec.spec, site=sid)
+        q = cached_reference_quantize(rec.spec, lparams[rec.weight].detach(), None, site=sid)
         c = rec.constants
         fl = _fingerprint(q.data, q.scale)
         fr = _fingerprint(rollout.gm.get_buffer(c["data"]), rollout.gm.get_buffer(c["scale"]))
