@@ -44,3 +44,13 @@ def test_selfcheck_reports_a_gemm_error(monkeypatch):
     assert "max rel err 1.00e-04" in gemm[0]["detail"]
     assert by_name["W4A16 bf16 GEMM N=K=64 vs fp64"]["ok"]
     assert set(by_name) == {"W4A16 bf16 GEMM N=K=64 vs fp64", *(i["name"] for i in gemm)}
+
+
+def test_only_selects_checks_by_any_of_several_substrings():
+    """``--only 'A;B'`` runs exactly the checks whose name contains A or B (a device call can run the
+    checks another call did not reach)."""
+    rep = Report(only="FP8 block;CUDA graph")
+    for name in ("W4A4 GEMM", "FP8 block W8A8 paths", "CUDA graph capture (M=16)", "ops dispatch"):
+        rep.run(name, lambda: (True, "ok"))
+    assert [c["name"] for c in rep.items] == ["FP8 block W8A8 paths", "CUDA graph capture (M=16)"]
+    assert [c["name"] for c in Report(only=None).items] == []
