@@ -68,5 +68,9 @@ python3 - <<'PY'
 import importlib.util
 missing = [m for m in ("torch", "triton", "transformers", "gguf", "pydantic", "yaml", "networkx", "rich", "tqdm", "matplotlib", "safetensors", "numpy") if importlib.util.find_spec(m) is None]
 print("gpu_setup: missing python packages:", missing or "none")
+if missing:  # qpass imports pydantic (recipes, configs) and gguf (the default model) everywhere
+    print("!!! gpu_setup: carry them as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: "
+          "--python-version 3.12 ... pydantic pydantic_core annotated-types typing-inspection gguf): "
+          "without pydantic every qpass command that builds a recipe fails on import")
 PY
 true

@@ -133,3 +133,19 @@ def test_e2e_models_plan_and_flags():
     a = build_bench_parser().parse_args(["--e2e-only", "--e2e-budget-s", "0"])
     assert (a.e2e_only, a.e2e_budget_s) == (True, 0.0)
     assert build_bench_parser().parse_args([]).e2e_budget_s == 150.0
+
+
+def test_e2e_section_that_cannot_start_is_an_error_not_a_crash(monkeypatch):
+    """A missing dependency of the model build (the H200 run of 2026-12-04 had no pydantic) is recorded
+    in ``errors`` and the full run goes on to the rest of the grid, instead of ending it."""
+    from qpass.backends.triton import bench
+
+    def boom(smoke):
+        raise ModuleNotFoundError("No module named 'pydantic'")
+
+    monkeypatch.setattr(bench, "e2e_plan", boom)
+    res = bench.Results()
+    calls = []
+    bench.run_e2e(res, bench.Budget(10.0), lambda *a: calls.append(a))
+    assert calls == []
+    assert res.errors == ["e2e section: ModuleNotFoundError: No module named 'pydantic'"]

@@ -850,7 +850,12 @@ def run_e2e(res: Results, budget: Budget, step: Callable[..., None]) -> None:
     """The end-to-end section: :func:`bench_e2e_point` for every point of :func:`e2e_plan`, each one
     ``step`` (errors recorded, results saved after each); the captured models are freed afterwards."""
     pipes: dict = {}
-    for spec, b in e2e_plan(SMOKE["on"]):
+    try:
+        plan = e2e_plan(SMOKE["on"])
+    except Exception as exc:  # noqa: BLE001 - e.g. a dependency of the model build missing on the box
+        res.errors.append(f"e2e section: {type(exc).__name__}: {exc}")  # the rest of the grid still runs
+        return
+    for spec, b in plan:
         step(f"e2e {spec.label} B={b}", bench_e2e_point, res, budget, spec, b, pipes)
     pipes.clear()
     if torch.cuda.is_available():
