@@ -225,7 +225,7 @@ def export_checkpoint(
             f"--global-scale {global_scale}: the rollout's weight bytes follow the {arithmetic} arithmetic; a checkpoint "
             f"cannot carry other global scales than the codes were quantized with. Use a recipe whose weight_qdq and "
             f"w4a4_lower/w4a16_lower set `arithmetic: {global_scale}` (learner and rollout alike, so parity holds)")
-    ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.act != "none" for r in sites.values()) else None
+    ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.needs_input_scale for r in sites.values()) else None
     with atomic_dir(out, force=force, marker=RECORD) as tmp:
         summary = write_checkpoint(tmp, fmt, model=lm.model, dtype=tdtype, tokenizer=lm.tokenizer, sites=sites, site_tensors=site_tensors,
                                    calibration_ids=ids, max_shard_size=max_shard_size)
