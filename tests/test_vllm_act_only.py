@@ -245,3 +245,22 @@ def test_served_check_compares_unquantized_sites_bit_for_bit_with_the_master():
     assert not bad.ok and bad.mismatches == ("b: unquantized weight (torch.bfloat16) bits 1/256 differ (first at (2, 14))",)
     missing = check_served_weights({"a.weight": masters["a.weight"]}, served)
     assert missing.mismatches == ("b: no master weight b.weight",)
+
+
+def test_apply_quant_config_records_act_only_sites_and_export_reads_them(tmp_path):
+    """An apply of the ``w16a4_qdq`` recipe records its activation-only sites in
+    ``rollout/hf_quant_config.json`` (``act_only_sites``), which ``qpass export DIR`` turns into
+    ``weight="none"`` sites; a malformed entry is refused naming the file and site."""
+    from qpass.apps.artifacts import save_rollout
+    from qpass.apps.export import sites_from_quant_config
+
+    save_rollout(rollout_of(tiny_llama_vllm(dtype=torch.float32), "w16a4_qdq_per_token.yaml"), tmp_path / "ro", "", {})
+    path = tmp_path / "ro" / "hf_quant_config.json"
+    cfg = json.loads(path.read_text())
+    assert not (tmp_path / "ro" / "weights.safetensors").exists() and cfg["quantization"]["sites"] == {}
+    sites = sites_from_quant_config(cfg, path)
+    assert len(sites) == 14 and {(r.weight, r.act, r.rac) for r in sites.values()} == {("none", "nvfp4_per_token", None)}
+    assert sites["model.layers.1.mlp.up_proj"].group == "model.layers.1.mlp.gate_up"
+    cfg["quantization"]["act_only_sites"]["model.layers.0.mlp.up_proj"]["act_spec"] = "fp8.activation"
+    with pytest.raises(QpassError, match=r"hf_quant_config.json: activation-only site model.layers.0.mlp.up_proj has an unknown activation spec 'fp8.activation'"):
+        sites_from_quant_config(cfg, path)
