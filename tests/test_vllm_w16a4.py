@@ -115,3 +115,14 @@ def test_live_weight_update_reloads_exactly_the_new_weights(engine, model, qpass
     assert not stale.ok and stale.mismatches[0].startswith("model.layers.0.mlp.down_proj: unquantized weight (torch.float32) bits")
     qpass_w16a4[1].update_weights(w1)  # qpass's graph on the new masters agrees with the updated engine
     assert float(_gaps(engine, [qpass_w16a4[1]], seed=30)[0].mean()) <= 1e-4
+
+
+def test_act_only_method_class_pickles_by_reference():
+    """Like the other plugin classes (vLLM's spawned engine core pickles by name)."""
+    import pickle
+
+    from qpass.backends.vllm import plugin
+
+    cls = plugin.act_method_class()
+    assert pickle.loads(pickle.dumps(cls)) is cls and plugin.QpassNvfp4ActLinearMethod is cls
+    assert cls.__qualname__ == "QpassNvfp4ActLinearMethod"
