@@ -94,6 +94,12 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
             "flushed_blocks": {s: rollout.quant[s].flushed_blocks for s in sorted(quantized) if rollout.quant[s].flushed_blocks},
         },
     }
+    # activation-only sites (the act_qdq pass, W16A4): weight unquantized, input NVFP4-QDQ'd; `qpass export DIR`
+    # writes them as a qpass_weight "none" checkpoint. Only present when there are some (files of other recipes unchanged).
+    act_only = sorted(s for s, r in rollout.quant.items() if r.kind == "act_qdq" and s not in quantized)
+    if act_only:
+        cfg["quantization"]["act_only_sites"] = {s: {"act_spec": rollout.quant[s].act_spec.key, "group": rollout.quant[s].group}
+                                                 for s in act_only}
     write_json(directory / "hf_quant_config.json", cfg)
     (directory / "recipe.yaml").write_text(recipe_text)
     files.update(config="hf_quant_config.json", recipe="recipe.yaml", tensors=len(tensors))

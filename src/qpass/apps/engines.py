@@ -56,7 +56,7 @@ def vllm_rollout(model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype, *, 
     try:
         write_checkpoint(d, "qpass" if sites else "plain", model=model, dtype=dtype, tokenizer=tokenizer, sites=sites,
                          site_tensors=dict(named_tensors_from_rollout(rollout)) if sites else None,
-                         calibration_ids=calibration_ids if any(s.act != "none" for s in sites.values()) else None)
+                         calibration_ids=calibration_ids if any(s.needs_input_scale for s in sites.values()) else None)
         eos = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         eng = make_rollout_engine("vllm", model=d, dtype=VLLM_DTYPES[dtype], batch_size=batch_size, max_model_len=max_len,
                                   kv_cache_bytes=KV_CACHE_BYTES, seed=seed, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)

@@ -69,7 +69,8 @@ def is_apply_dir(p: Path) -> bool:
 
 
 def sites_from_quant_config(cfg: dict[str, Any], source: Path) -> dict[str, RolloutSite]:
-    """The NVFP4 rollout sites an apply's ``hf_quant_config.json`` records.
+    """The NVFP4 rollout sites an apply's ``hf_quant_config.json`` records (``sites``: NVFP4-weight sites;
+    ``act_only_sites``: activation-only sites of the ``act_qdq`` pass, ``weight="none"``).
 
     Raises:
         QpassError: a malformed file, or a quantized site that is not NVFP4 (FP8 / MXFP4 have no
@@ -89,6 +90,12 @@ def sites_from_quant_config(cfg: dict[str, Any], source: Path) -> dict[str, Roll
             out[s] = RolloutSite(s, d["group"], ACT_OF_SPEC[d.get("act_spec")],
                                  RACConfig(float(r["ratio"]), r["mode"], r["selection"]) if r else None,
                                  "modelopt" if wkey.endswith(".modelopt") else "te_reference")
+        for s, d in (q.get("act_only_sites") or {}).items():
+            if s in out:
+                raise QpassError(f"{source}: site {s} is both NVFP4-quantized and activation-only")
+            if d.get("act_spec") not in ACT_OF_SPEC or d.get("act_spec") is None:
+                raise QpassError(f"{source}: activation-only site {s} has an unknown activation spec {d.get('act_spec')!r}")
+            out[s] = RolloutSite(s, d["group"], ACT_OF_SPEC[d["act_spec"]], None, weight="none")
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, QpassError):
             raise
@@ -196,7 +203,7 @@ def export_checkpoint(
         dtype = dtype or m.get("dtype") or "bf16"
         if fmt != "plain":
             sites = sites_from_quant_config(qcfg, qcfg_path)
-            if sites:
+            if any(r.weight == "nvfp4" for r in sites.values()):  # activation-only sites have no rollout bytes
                 from qpass.apps.artifacts import read_tensors
 
                 site_tensors = read_tensors(apply_dir / "rollout" / "weights.safetensors")
@@ -225,7 +232,7 @@ def export_checkpoint(
             f"--global-scale {global_scale}: the rollout's weight bytes follow the {arithmetic} arithmetic; a checkpoint "
             f"cannot carry other global scales than the codes were quantized with. Use a recipe whose weight_qdq and "
             f"w4a4_lower/w4a16_lower set `arithmetic: {global_scale}` (learner and rollout alike, so parity holds)")
-    ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.act != "none" for r in sites.values()) else None
+    ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.needs_input_scale for r in sites.values()) else None
     with atomic_dir(out, force=force, marker=RECORD) as tmp:
         summary = write_checkpoint(tmp, fmt, model=lm.model, dtype=tdtype, tokenizer=lm.tokenizer, sites=sites, site_tensors=site_tensors,
                                    calibration_ids=ids, max_shard_size=max_shard_size)

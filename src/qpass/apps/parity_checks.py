@@ -166,7 +166,8 @@ def weights_bitexact(ctx: CheckContext) -> CheckResult:
         problems += [f"{ctx.engine.name} engine: {m}" for m in e.mismatches]
         detail += f"; {e.checked} sites read back from the {ctx.engine.name} engine" + ("" if e.ok else f", {len(e.mismatches)} differ")
         fields |= {"weights_bitexact": ok, "engine_weights": {"engine": ctx.engine.name, "ok": e.ok, "checked": e.checked,
-                                                              "skipped": e.skipped, "mismatches": list(e.mismatches[:20])}}
+                                                              "skipped": e.skipped, "mismatches": list(e.mismatches[:20]),
+                                                              **({"unquantized": e.unquantized} if e.unquantized else {})}}
     return CheckResult("weights_bitexact", ok, detail, tuple(problems), fields)
 
 

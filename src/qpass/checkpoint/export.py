@@ -25,14 +25,24 @@ INPUT_SCALE_RULE = "fl(group_amax / 2688), decode multiplier, shared per fused g
 
 
 def sites_from_rollout(rollout: Any) -> dict[str, RolloutSite]:
-    """The NVFP4 sites of a rollout ``QGraph`` (its quant records; unlowered sites are skipped).
+    """The NVFP4 sites of a rollout ``QGraph`` (its quant records).
+
+    Lowered NVFP4 sites give NVFP4-weight sites; activation-only sites (the ``act_qdq`` pass: no
+    weight spec, an NVFP4 activation spec, op ``qpass::nvfp4_act_qdq``) give ``weight="none"``
+    sites (the W16A4 rollout); other unlowered records (e.g. a weight fake-quant left on the
+    rollout) are skipped.
 
     Raises:
-        QpassError: a lowered site that is not NVFP4 (FP8 / MXFP4 have no checkpoint format here).
+        QpassError: a lowered site that is not NVFP4 (FP8 / MXFP4 have no checkpoint format here), or
+            an activation-only site whose activation spec is not NVFP4.
     """
     out = {}
     for s, rec in rollout.quant.items():
         if not rec.lowered:
+            if rec.spec is None and rec.act_spec is not None and rec.op == "qpass::nvfp4_act_qdq":
+                if rec.act_spec.key not in ACT_OF_SPEC:
+                    raise QpassError(f"rollout site {s}: activation-only spec {rec.act_spec.key} is not NVFP4")
+                out[s] = RolloutSite(s, rec.group, ACT_OF_SPEC[rec.act_spec.key], None, weight="none")
             continue
         if rec.kind != "nvfp4_linear":
             raise QpassError(f"rollout site {s} is {rec.kind}; qpass export writes NVFP4 checkpoints only")
@@ -103,7 +113,7 @@ def write_checkpoint(
     sites = dict(sites or {})
     record: dict[str, Any] = {}
     input_amax = None
-    w4a4 = {s: r.group for s, r in sites.items() if r.act != "none"}
+    w4a4 = {s: r.group for s, r in sites.items() if r.needs_input_scale}
     if w4a4 and fmt != "plain":
         from qpass.checkpoint import calibrate
 

@@ -14,6 +14,10 @@ A format is a function registered by name with :func:`checkpoint_format`; it tur
   dynamically and ignore it); every other tensor in the model dtype. ``config.json``
   ``quantization_config`` = :meth:`qpass.checkpoint.qconfig.QpassQuantOptions.to_config`
   (``quant_method: qpass_nvfp4``, act mode, RAC per site, excluded modules, weight arithmetic).
+  Activation-only sites (the W16A4 rollout of the ``act_qdq`` pass: :attr:`RolloutSite.weight` ``none``)
+  keep ``P.weight`` as the plain tensor in the model dtype, with no scale tensors and no ``input_scale``
+  (``quantization_config.qpass_weight: "none"``, ``quant_algo: "W16A4_NVFP4"``); ``modelopt`` and
+  ``compressed-tensors`` have no such mode and refuse them.
 
 Source: the checkpoint contract (:mod:`qpass.checkpoint`), prior-art/backends.md §1.3 (the
 ``modelopt_fp4`` tensor names shared by vLLM and SGLang).
@@ -35,6 +39,7 @@ from qpass.errors import QpassError
 from qpass.quant.rac import RACConfig
 
 ActMode = Literal["nvfp4", "nvfp4_per_token", "none"]
+WeightMode = Literal["nvfp4", "none"]
 SITE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 
 
@@ -48,6 +53,8 @@ class RolloutSite:
         act: ``nvfp4`` (W4A4, dynamic per-tensor), ``nvfp4_per_token`` or ``none`` (W4A16).
         rac: residual activation compensation of the site, or None.
         arithmetic: the weight quantizer arithmetic its bytes follow (``NVFP4Spec.arithmetic``).
+        weight: ``nvfp4`` (the site's weight is NVFP4 bytes) or ``none`` (activation-only: the
+            weight stays in the model dtype, only the input gets ``qpass::nvfp4_act_qdq``).
     """
 
     site: str
@@ -55,6 +62,12 @@ class RolloutSite:
     act: ActMode
     rac: RACConfig | None = None
     arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
+    weight: WeightMode = "nvfp4"
+
+    @property
+    def needs_input_scale(self) -> bool:
+        """A W4A4 site: NVFP4 weight and quantized activations (the checkpoint carries a calibrated ``input_scale``)."""
+        return self.weight == "nvfp4" and self.act != "none"
 
 
 @dataclasses.dataclass
@@ -121,15 +134,16 @@ def build_checkpoint(fmt: str, inputs: ExportInputs) -> CheckpointContent:
 
 
 def unquantized_tensors(inputs: ExportInputs) -> dict[str, torch.Tensor]:
-    """Every tensor but the master weights of quantized sites.
+    """Every tensor but the master weights of NVFP4-weight sites (an activation-only site's weight is
+    kept: it is what the checkpoint serves).
 
     Raises:
         QpassError: a quantized site whose master ``<site>.weight`` is not a tensor of the model.
     """
-    masters = {f"{s}.weight" for s in inputs.sites}
-    missing = sorted(masters - set(inputs.state))
+    missing = sorted({f"{s}.weight" for s in inputs.sites} - set(inputs.state))
     if missing:
         raise QpassError(f"quantized site(s) without a model weight: {missing[:5]} (the rollout is not of this model?)")
+    masters = {f"{s}.weight" for s, r in inputs.sites.items() if r.weight == "nvfp4"}
     return {k: v for k, v in inputs.state.items() if k not in masters}
 
 
@@ -152,7 +166,7 @@ def site_tensors_checked(inputs: ExportInputs, suffixes: tuple[str, ...] = SITE_
             group with two globals (naming the site).
     """
     out: dict[str, torch.Tensor] = {}
-    for s in sorted(inputs.sites):
+    for s in sorted(x for x, r in inputs.sites.items() if r.weight == "nvfp4"):
         missing = [f"{s}.{x}" for x in SITE_SUFFIXES if f"{s}.{x}" not in inputs.site_tensors]
         if missing:
             raise QpassError(f"quantized site {s}: missing {', '.join(missing)}")
@@ -172,7 +186,7 @@ def w4a4_input_scales(inputs: ExportInputs, rule: Callable[[torch.Tensor], torch
     Raises:
         QpassError: W4A4 sites but no calibrated scales, a site without one, or two scales in one group.
     """
-    w4a4 = sorted(s for s, r in inputs.sites.items() if r.act != "none")
+    w4a4 = sorted(s for s, r in inputs.sites.items() if r.needs_input_scale)
     if not w4a4:
         return {}
     if inputs.input_amax is None:
@@ -217,6 +231,44 @@ def act_mode(inputs: ExportInputs) -> ActMode:
     return modes.pop()
 
 
+def weight_mode(inputs: ExportInputs) -> WeightMode:
+    """The one weight mode of the quantized sites (``nvfp4``, or ``none`` for activation-only sites).
+
+    Raises:
+        QpassError: sites with different modes (``quantization_config.qpass_weight`` holds one).
+    """
+    modes = {r.weight for r in inputs.sites.values()}
+    if len(modes) > 1:
+        by = {m: sorted(s for s, r in inputs.sites.items() if r.weight == m)[0] for m in modes}
+        raise QpassError(f"the rollout mixes NVFP4-weight and activation-only sites {by} (qpass_weight: example site); "
+                         "a checkpoint's quantization_config holds one qpass_weight")
+    return modes.pop()
+
+
+def act_only_tensors_checked(inputs: ExportInputs) -> None:
+    """Every activation-only site's weight is servable (:func:`qpass.checkpoint.params.check_act_only_site`).
+
+    Raises:
+        QuantizationError: names the site.
+    """
+    from qpass.checkpoint.params import check_act_only_site
+
+    for s in sorted(x for x, r in inputs.sites.items() if r.weight == "none"):
+        check_act_only_site(s, inputs.state[f"{s}.weight"])
+
+
+def refuse_act_only(inputs: ExportInputs, fmt: str) -> None:
+    """Formats without an activation-only NVFP4 mode refuse such sites.
+
+    Raises:
+        QpassError: names the format and a site.
+    """
+    act_only = sorted(s for s, r in inputs.sites.items() if r.weight == "none")
+    if act_only:
+        raise QpassError(f"--format {fmt} has no activation-only NVFP4 mode (BF16 weight, NVFP4 activations: site {act_only[0]}, "
+                         f"{len(act_only)} in all); use --format qpass")
+
+
 # ----------------------------------------------------------------------------- formats
 
 
@@ -237,11 +289,14 @@ def qpass_format(inputs: ExportInputs) -> CheckpointContent:
     if not inputs.sites:
         return plain_format(inputs)
     opts = QpassQuantOptions(act=act_mode(inputs), rac={s: r.rac for s, r in inputs.sites.items() if r.rac is not None},
-                             exclude=tuple(excluded_modules(inputs)), weight_arithmetic=inputs.weight_arithmetic)
+                             exclude=tuple(excluded_modules(inputs)), weight_arithmetic=inputs.weight_arithmetic,
+                             weight=weight_mode(inputs))
+    act_only_tensors_checked(inputs)
     tensors = unquantized_tensors(inputs) | site_tensors_checked(inputs) | w4a4_input_scales(inputs)
     config = dict(inputs.config) | {"quantization_config": opts.to_config()}
     return CheckpointContent(config, dict(sorted(tensors.items())),
-                             summary={"quantized_sites": len(inputs.sites), "act": opts.act, "rac_sites": len(opts.rac)})
+                             summary={"quantized_sites": len(inputs.sites), "act": opts.act, "weight": opts.weight,
+                                      "rac_sites": len(opts.rac)})
 
 
 MODELOPT_VERSION = "0.47.0"  # the ModelOpt release whose export_hf_checkpoint layout this format reproduces
@@ -272,6 +327,7 @@ def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
     """
     if not inputs.sites:
         raise QpassError("--format modelopt needs NVFP4-quantized sites; this rollout has none (use --format plain)")
+    refuse_act_only(inputs, "modelopt")
     act = act_mode(inputs)
     if act == "nvfp4_per_token":
         raise QpassError("ModelOpt NVFP4 has no per-token activation scale (act: nvfp4_per_token); use --format qpass")
@@ -338,6 +394,7 @@ def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
         raise MissingDependencyError(f"--format compressed-tensors needs the compressed-tensors package: pip install compressed-tensors ({exc})") from exc
     if not inputs.sites:
         raise QpassError("--format compressed-tensors needs NVFP4-quantized sites; this rollout has none (use --format plain)")
+    refuse_act_only(inputs, "compressed-tensors")
     act = act_mode(inputs)
     if act == "nvfp4_per_token":
         raise QpassError("compressed-tensors' NVFP4 preset has no per-token activation global scale (act: nvfp4_per_token); use --format qpass")

@@ -30,7 +30,8 @@ from qpass.checkpoint.qconfig import METHOD_NAME
 from qpass.errors import QuantizationError
 from qpass.quant.rac import RACConfig
 
-__all__ = ["activation_for_row_parallel", "begin_loading", "finish_loading", "served_linear"]
+__all__ = ["activation_for_row_parallel", "begin_loading", "finish_act_only_loading", "finish_loading", "served_act_linear",
+           "served_linear"]
 
 
 def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object | None, site: str) -> torch.Tensor:
@@ -168,3 +169,48 @@ other than 0 passes None). A K-sharded layer (``layer.qpass_k_sharded``) quantiz
         x, layer.weight, layer.weight_scale, layer.qpass_s_dec, bias, site, act,
         float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked", rac.selection if rac else "batch", channels,
     ).to(x.dtype)
+
+
+def finish_act_only_loading(layer: torch.nn.Module, prefix: str) -> None:
+    """After loading an activation-only layer (``qpass_weight: "none"``): the weight it will serve is
+    floating ``[N, K]``, ``K % 16 == 0`` and finite (:func:`qpass.checkpoint.params.check_act_only_site`).
+
+    Raises:
+        QuantizationError: names the layer.
+    """
+    from qpass.checkpoint.params import check_act_only_site
+
+    check_act_only_site(f"{METHOD_NAME}: layer {prefix}", layer.weight.data)
+
+
+def served_act_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None, *, site: str, act: str,
+                      process_group: object | None = None) -> torch.Tensor:
+    """The forward of a served activation-only layer (W16A4): ``x [..., K] -> [..., N]`` in ``x.dtype``.
+
+    ``F.linear(qpass::nvfp4_act_qdq(x, site, per_token), layer.weight, bias)``: the very ops the
+    ``act_qdq`` pass puts in qpass's rollout graph (``aten.linear(nvfp4_act_qdq(x), w)``), so on the
+    same ``x`` and weight the output is bit-identical to that graph's at the site. ``layer.weight``:
+    ``[N, K]`` in the model dtype (``x.dtype``); ``bias`` ``[N]`` or None.
+
+    ``act``: ``nvfp4`` (one dynamic global scale per tensor) or ``nvfp4_per_token`` (one per row). A
+    K-sharded (row-parallel, TP > 1) layer quantizes its slice with the global amax all-reduced (MAX)
+    over ``process_group``, which equals the slice of the unsharded QDQ (then summed by the
+    row-parallel all-reduce: equal up to float32 summation order).
+
+    Raises:
+        QuantizationError: ``act`` is ``none`` (nothing quantized: serve it unquantized), NaN/inf
+            activations, K not a multiple of 16 (naming ``site``).
+    """
+    from qpass.quant import qdq  # noqa: F401 - registers torch.ops.qpass.nvfp4_act_qdq
+
+    if act not in ("nvfp4", "nvfp4_per_token"):
+        raise QuantizationError(f"{METHOD_NAME}: activation-only layer {site}: act must be nvfp4 or nvfp4_per_token, got {act!r}")
+    per_token = act == "nvfp4_per_token"
+    if getattr(layer, "qpass_k_sharded", False) and process_group is not None and x.numel():
+        from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
+
+        q = nvfp4_quantize(x, spec=nvfp4_act_spec(per_token), process_group=process_group, name="activation", site=site)
+        x_q = nvfp4_dequantize(q, x.dtype)
+    else:
+        x_q = torch.ops.qpass.nvfp4_act_qdq(x, site, per_token)
+    return torch.nn.functional.linear(x_q, layer.weight, bias)

@@ -16,6 +16,13 @@ name               engine parameter class   dtype           shape               
 ``input_scale``    PerTensorScaleParameter  float32         ``[S]``                      accepted for ModelOpt checkpoints; unused
 =================  =======================  ==============  ===========================  =========
 
+An **activation-only** site (``quantization_config.qpass_weight: "none"``, the W16A4 rollout of the
+``act_qdq`` pass) registers one parameter, :func:`act_only_param_specs`:
+
+=================  =======================  ==============  ===========================  =========
+``weight``         ModelWeightParameter     model dtype     ``[N, K]``    (in 1, out 0)  the weight, unquantized (what vLLM's ``UnquantizedLinearMethod`` creates)
+=================  =======================  ==============  ===========================  =========
+
 Source: ``prior-art/backends.md`` §1.3 (sglang 0.5.23 ``ModelOptFp4LinearMethod.create_weights``,
 identical in vLLM's ``modelopt_fp4``). qpass activations are dynamic (SPEC §3 rule 5), so
 ``input_scale`` is loaded only to accept ModelOpt-format checkpoints and never read.
@@ -82,6 +89,42 @@ def linear_param_specs(input_size_per_partition: int, output_partition_sizes: Se
         ParamSpec("weight_scale_2", "PerTensorScaleParameter", torch.float32, (s,), None, None, "unloaded", True),
         ParamSpec("input_scale", "PerTensorScaleParameter", torch.float32, (s,), None, None, "ones", True),
     ]
+
+
+def act_only_param_specs(input_size_per_partition: int, output_partition_sizes: Sequence[int], params_dtype: torch.dtype, *,
+                         prefix: str = "") -> list[ParamSpec]:
+    """The parameters of one activation-only partition (module docstring): ``weight`` ``[N, K]`` in
+    ``params_dtype``, sharded like vLLM's unquantized weight (input dim 1, output dim 0), so the
+    engine's own loaders fill it, fused q/k/v and gate/up shards included.
+
+    Raises:
+        QuantizationError: ``input_size_per_partition`` not a multiple of 16 (the activation's 1x16
+            blocks along K; the message names ``prefix``), no output partition, or a non-floating dtype.
+    """
+    if not params_dtype.is_floating_point:
+        raise QuantizationError(f"activation-only layer {prefix or '<unnamed>'}: params_dtype {params_dtype} is not a floating dtype")
+    nvfp4 = linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=prefix)  # same K / partition checks
+    n, k = nvfp4[0].shape[0], int(input_size_per_partition)
+    return [ParamSpec("weight", "ModelWeightParameter", params_dtype, (n, k), 1, 0)]
+
+
+def check_act_only_site(site: str, weight: torch.Tensor, *, dtype: torch.dtype | None = None, source: str = "") -> None:
+    """One activation-only site's checkpoint tensor is servable: ``weight`` floating ``[N, K]`` with
+    ``K % 16 == 0`` (the activation's 1x16 blocks), in ``dtype`` when given (the model dtype), finite.
+
+    Raises:
+        QuantizationError: names ``source`` (file or origin), the site and what is wrong.
+    """
+    where = f"{source}: " if source else ""
+    if not weight.is_floating_point() or weight.dim() != 2 or weight.dtype == torch.float8_e4m3fn:
+        raise QuantizationError(f"{where}{site}.weight: an activation-only site needs a floating [N, K] weight, "
+                                f"got {weight.dtype} {tuple(weight.shape)}")
+    if weight.shape[1] % NVFP4_BLOCK:
+        raise QuantizationError(f"{where}{site}.weight: K={weight.shape[1]} is not a multiple of 16 (NVFP4 activation blocks)")
+    if dtype is not None and weight.dtype != dtype:
+        raise QuantizationError(f"{where}{site}.weight: dtype {weight.dtype}, expected the model dtype {dtype}")
+    if not bool(torch.isfinite(weight).all()):
+        raise QuantizationError(f"{where}{site}.weight: non-finite values")
 
 
 def make_tensor(p: ParamSpec, device: torch.device | str | None = None) -> torch.Tensor:

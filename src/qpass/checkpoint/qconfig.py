@@ -16,6 +16,15 @@ Config layouts accepted by :meth:`QpassQuantOptions.from_config` (SGLang passes 
 
 ``quant_algo: "W4A16_NVFP4"`` (ModelOpt's weight-only name) or ``qpass_act: "none"`` selects
 W4A16; otherwise activations are quantized dynamically (per tensor, or per token).
+
+``qpass_weight`` says what the checkpoint holds for every quantized (non-excluded) linear:
+``"nvfp4"`` (default; ``weight`` / ``weight_scale`` / ``weight_scale_2``, the table of
+:mod:`qpass.checkpoint.params`) or ``"none"``: the **activation-only** mode (W16A4, the study's
+``w16a4_qdq`` rollout: the ``act_qdq`` pass), where ``<site>.weight`` is the plain weight ``[N, K]`` in
+the model dtype (no scale tensors, no ``input_scale``) and the engine computes
+``F.linear(qpass::nvfp4_act_qdq(x), W)`` (:func:`qpass.checkpoint.linear.served_act_linear`).
+:meth:`QpassQuantOptions.to_config` writes ``quant_algo: "W16A4_NVFP4"`` for it (a qpass name: no
+ModelOpt / compressed-tensors consumer has this mode); it needs quantized activations and no RAC.
 ``weight_arithmetic`` names how the stored bytes were computed (``te_reference``: SPEC §3,
 ``weight_scale_2 = S_dec = fl(1/fl(2688/amax))``; ``modelopt``: ``weight_scale_2 = fl(amax/2688)``,
 ModelOpt's arithmetic); an engine serving the bytes decodes both the same way (codes x block scale
@@ -34,6 +43,8 @@ from qpass.quant.rac import RACConfig
 
 METHOD_NAME = "qpass_nvfp4"
 ACT_MODES = ("nvfp4", "nvfp4_per_token", "none")
+WEIGHT_MODES = ("nvfp4", "none")  # ``qpass_weight``: NVFP4 weight bytes, or the weight unquantized (activation-only sites)
+QUANT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "W16A4_NVFP4": "none"}  # quant_algo -> the qpass_weight it implies
 WEIGHT_ARITHMETIC = ("te_reference", "modelopt")
 DEFAULT_EXCLUDE = ("lm_head", "*embed_tokens", "*.mlp.gate")  # routers stay bf16
 # SGLang's stacked (fused) modules and the checkpoint projections they hold, in shard order.
@@ -56,16 +67,27 @@ class QpassQuantOptions:
         exclude: modules left unquantized (glob on the module prefix, or an exact suffix).
         weight_arithmetic: the quantizer arithmetic the weight bytes follow (module docstring);
             a sync must re-quantize master weights with the same one (``NVFP4Spec.arithmetic``).
+        weight: ``nvfp4`` (NVFP4 weight bytes) or ``none`` (activation-only sites: the weight stays
+            in the model dtype, activations get ``qpass::nvfp4_act_qdq``; config field ``qpass_weight``).
     """
 
     act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
     rac: Mapping[str, RACConfig] = dataclasses.field(default_factory=dict)
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     weight_arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
+    weight: Literal["nvfp4", "none"] = "nvfp4"
 
     def __post_init__(self) -> None:
         if self.act not in ACT_MODES:
             raise QpassError(f"{METHOD_NAME}: act must be one of {ACT_MODES}, got {self.act!r}")
+        if self.weight not in WEIGHT_MODES:
+            raise QpassError(f"{METHOD_NAME}: qpass_weight must be one of {WEIGHT_MODES}, got {self.weight!r}")
+        if self.weight == "none" and self.act == "none":
+            raise QpassError(f"{METHOD_NAME}: qpass_weight 'none' with qpass_act 'none' quantizes nothing; "
+                             "write an unquantized checkpoint (qpass export --format plain) instead")
+        if self.weight == "none" and self.rac:
+            raise QpassError(f"{METHOD_NAME}: site {sorted(self.rac)[0]} has RAC, but qpass_weight is 'none' "
+                             "(activation-only sites have no residual-compensation path)")
         if self.weight_arithmetic not in WEIGHT_ARITHMETIC:
             raise QpassError(f"{METHOD_NAME}: weight_arithmetic must be one of {WEIGHT_ARITHMETIC}, got {self.weight_arithmetic!r}")
         for site, cfg in self.rac.items():
@@ -80,12 +102,17 @@ class QpassQuantOptions:
         """Parse either layout of the module docstring.
 
         Raises:
-            QpassError: a quant_algo other than NVFP4 / W4A16_NVFP4, or bad fields.
+            QpassError: a quant_algo other than NVFP4 / W4A16_NVFP4 / W16A4_NVFP4, a ``qpass_weight``
+                that is unknown or contradicts ``quant_algo``, or bad fields (the message names the field).
         """
         q = config.get("quantization", config)
         algo = q.get("quant_algo", "NVFP4")
-        if algo not in ("NVFP4", "W4A16_NVFP4"):
-            raise QpassError(f"{METHOD_NAME}: quant_algo {algo!r} is not NVFP4 (use SGLang's own method for it)")
+        if algo not in QUANT_ALGOS:
+            raise QpassError(f"{METHOD_NAME}: quant_algo {algo!r} is not one of {sorted(QUANT_ALGOS)} (use SGLang's own method for it)")
+        weight = q.get("qpass_weight", QUANT_ALGOS[algo])
+        if weight in WEIGHT_MODES and "quant_algo" in q and weight != QUANT_ALGOS[algo]:
+            raise QpassError(f"{METHOD_NAME}: qpass_weight {weight!r} contradicts quant_algo {algo!r} "
+                             f"(W16A4_NVFP4 <-> qpass_weight 'none'; NVFP4 / W4A16_NVFP4 <-> 'nvfp4')")
         if q.get("group_size", 16) not in (16, None):
             raise QpassError(f"{METHOD_NAME}: NVFP4 group_size must be 16, got {q.get('group_size')}")
         act = q.get("qpass_act")
@@ -97,17 +124,20 @@ class QpassQuantOptions:
             rac[site] = RACConfig(float(r["ratio"]), r.get("mode", "masked"), r.get("selection", "batch"))
         excl = q.get("exclude_modules") or q.get("ignore") or q.get("modules_to_not_convert")
         arith = q.get("weight_arithmetic", "te_reference")
-        return cls(act=act, rac=rac, exclude=tuple(excl) if excl is not None else DEFAULT_EXCLUDE, weight_arithmetic=arith)
+        return cls(act=act, rac=rac, exclude=tuple(excl) if excl is not None else DEFAULT_EXCLUDE, weight_arithmetic=arith,
+                   weight=weight)
 
     def to_config(self) -> dict[str, Any]:
         """Flat ``quantization_config`` for a checkpoint's ``config.json`` (selects the plugin)."""
+        act_only = self.weight == "none"
         return {
             "quant_method": METHOD_NAME,
-            "quant_algo": "W4A16_NVFP4" if self.act == "none" else "NVFP4",
+            "quant_algo": "W16A4_NVFP4" if act_only else ("W4A16_NVFP4" if self.act == "none" else "NVFP4"),
             "group_size": 16,
             "qpass_act": self.act,
+            "qpass_weight": self.weight,
             "input_activations": None if self.act == "none" else {"dynamic": True, "per_token": self.act == "nvfp4_per_token"},
-            "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier)",
+            "weight_global_scale_convention": None if act_only else "weight_scale_2 = S_dec (decode multiplier)",
             "weight_arithmetic": self.weight_arithmetic,
             "exclude_modules": list(self.exclude),
             "rac": {s: dataclasses.asdict(c) for s, c in sorted(self.rac.items())},

@@ -3,8 +3,10 @@ of the learner's master weights (SPEC §3 rules 1-3), through the engine protoco
 
 Works for any :class:`qpass.runtime.engine.RolloutEngine` (its ``served_weights()`` read back from
 the engine's own storage) and any weights in Hugging Face names (``LearnerEngine.export_weights()``).
-NVFP4 sites are checked (one shared amax per fused group, fresh from the weights); other formats are
-counted as not checked.
+NVFP4 sites are checked (one shared amax per fused group, fresh from the weights); ``unquantized``
+sites (activation-only, e.g. W16A4: the engine serves the weight itself) are compared bit for bit with
+the master weight cast to the served dtype (round to nearest even, as the export writes it); other
+formats are counted as not checked.
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ class ServedCheck:
 
     Attributes:
         ok: every checked site equals the quantizer's bytes.
-        checked: NVFP4 sites compared.
+        checked: sites compared (NVFP4 and unquantized).
         skipped: sites of other formats (not compared).
         mismatches: ``"site: what differs"`` in site order; the first names the first differing site.
+        unquantized: of ``checked``, the activation-only sites, compared as unquantized weights in the
+            served dtype (no NVFP4 bytes exist for them).
     """
 
     ok: bool
     checked: int
     skipped: int
     mismatches: tuple[str, ...]
+    unquantized: int = 0
 
 
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -87,25 +92,39 @@ def check_learner_bytes(learner_sites: Mapping[str, NVFP4Tensor], served: Mappin
 
 @torch.no_grad()
 def check_served_weights(weights: Mapping[str, torch.Tensor], served: Mapping[str, ServedSite]) -> ServedCheck:
-    """Compare each served NVFP4 site with ``nvfp4_quantize`` of ``weights[site + ".weight"]``.
+    """Compare each served NVFP4 site with ``nvfp4_quantize`` of ``weights[site + ".weight"]``, and
+    each served ``unquantized`` (activation-only) site with ``weights[site + ".weight"]`` cast to the
+    served dtype, bit for bit.
 
     Args:
         weights: master weights by HF name (``model.layers.0.mlp.up_proj.weight``).
         served: ``RolloutEngine.served_weights()``.
     Returns:
-        :class:`ServedCheck` (codes, scale bytes and global-scale bits compared; a missing weight is
-        a mismatch naming it).
+        :class:`ServedCheck` (codes, scale bytes and global-scale bits compared; unquantized weights'
+        bits compared; a missing weight is a mismatch naming it).
     """
     groups: dict[str, list[str]] = {}
-    skipped = 0
+    skipped = unquantized = 0
+    bad: list[str] = []
+    checked = 0
     for sid in sorted(served):
         s = served[sid]
         if s.format == "nvfp4":
             groups.setdefault(s.group or sid, []).append(sid)
+        elif s.format == "unquantized":
+            checked += 1
+            unquantized += 1
+            w = weights.get(f"{sid}.weight")
+            if w is None:
+                bad.append(f"{sid}: no master weight {sid}.weight")
+                continue
+            mine = w.detach().to(device=s.codes.device, dtype=s.codes.dtype).contiguous()
+            if mine.shape != s.codes.shape:
+                bad.append(f"{sid}: unquantized weight ({s.codes.dtype}) shape {tuple(mine.shape)} != {tuple(s.codes.shape)}")
+            elif not torch.equal(mine.view(torch.uint8), s.codes.contiguous().view(torch.uint8)):
+                bad.append(f"{sid}: unquantized weight ({s.codes.dtype}) bits {_first_diff(mine.view(torch.uint8), s.codes.contiguous().view(torch.uint8))}")
         else:
             skipped += 1
-    bad: list[str] = []
-    checked = 0
     for gid in sorted(groups):
         sids = groups[gid]
         missing = [f"{s}.weight" for s in sids if f"{s}.weight" not in weights]
@@ -118,4 +137,4 @@ def check_served_weights(weights: Mapping[str, torch.Tensor], served: Mapping[st
             checked += 1
             bad += _compare(sid, quantized[sid].tensor, served[sid])
     bad.sort(key=lambda m: m.split(":")[0])
-    return ServedCheck(not bad, checked, skipped, tuple(bad))
+    return ServedCheck(not bad, checked, skipped, tuple(bad), unquantized)

@@ -111,8 +111,8 @@ class StudyConfig:
         progress: show a tqdm bar.
         rollout_engine: who samples in the on-policy operand ablation: ``qpass`` (the rollout
             graphs) or ``vllm`` (a live vLLM engine per configuration serving its exported
-            checkpoint: the BF16 floor then carries vLLM's engine drift; W16A4 has no NVFP4
-            weights to serve and is skipped there). The paired replay always uses the graphs.
+            checkpoint: the BF16 floor then carries vLLM's engine drift; W16A4 is served as an
+            activation-only checkpoint, ``qpass_weight: "none"``). The paired replay always uses the graphs.
     """
 
     model: str = "default"
@@ -421,11 +421,7 @@ class _Study:
             t = time.perf_counter()
             kw = dict(pad_token_id=self.pad, eos_token_id=self.eos, max_new_tokens=cfg.max_new_tokens, samples_per_prompt=1,
                       temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
-            if cfg.rollout_engine == "vllm":
-                if name == "w16a4":  # bf16 weights with NVFP4 activations: nothing a qpass_nvfp4 checkpoint carries
-                    self.skipped.append("on_policy_w16a4 (vllm: no NVFP4 weights to serve)")
-                    self.prog.done()
-                    continue
+            if cfg.rollout_engine == "vllm":  # w16a4: an activation-only qpass_nvfp4 checkpoint (qpass_weight "none")
                 from qpass.apps.engines import vllm_rollout
 
                 with vllm_rollout(self.pipe.loaded.model, self.pipe.tokenizer, next(self.pipe.loaded.model.parameters()).dtype,

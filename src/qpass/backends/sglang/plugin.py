@@ -114,6 +114,9 @@ def plugin_classes() -> tuple[type, type]:
         def __init__(self, options: QpassQuantOptions | None = None) -> None:
             super().__init__()
             self.options = options or QpassQuantOptions()
+            if self.options.weight == "none":
+                raise QuantizationError(f"{METHOD_NAME}: quantization_config.qpass_weight 'none' (activation-only, W16A4) is served "
+                                        "by the vLLM plugin only; the SGLang plugin serves NVFP4 weights")
             if getattr(self, "packed_modules_mapping", None) is None:
                 self.packed_modules_mapping = {}  # SGLang's is_layer_skipped crashes on None
 

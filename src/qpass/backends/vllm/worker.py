@@ -21,6 +21,7 @@ from qpass.errors import QpassError
 
 WORKER_EXTENSION = "qpass.backends.vllm.worker.QpassWorkerExtension"
 METHOD_CLASS = "QpassNvfp4LinearMethod"
+ACT_METHOD_CLASS = "QpassNvfp4ActLinearMethod"
 MOE_METHOD_CLASS = "QpassNvfp4FusedMoEMethod"
 MOE_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale", "w2_weight_scale_2")
 
@@ -57,6 +58,22 @@ class QpassWorkerExtension:
             })
         return out
 
+    def qpass_served_act_only(self) -> list[dict[str, Any]]:
+        """One record per activation-only layer (``QpassNvfp4ActLinearMethod``) of this rank: its
+        name, ``logical_widths``, ``k_sharded``, ``tp_rank``/``tp_size`` and the raw bytes, shape and
+        dtype name of its unquantized ``weight`` (the engine's own parameter)."""
+        out = []
+        for name, mod in self._qpass_model().named_modules():
+            if type(getattr(mod, "quant_method", None)).__name__ != ACT_METHOD_CLASS:
+                continue
+            out.append({
+                "layer": getattr(mod, "qpass_site", name), "logical_widths": list(mod.logical_widths),
+                "k_sharded": bool(mod.qpass_k_sharded), "tp_rank": int(getattr(mod, "tp_rank", 0)),
+                "tp_size": int(getattr(mod, "tp_size", 1)),
+                "weight": {"bytes": _raw(mod.weight), "shape": list(mod.weight.shape), "dtype": str(mod.weight.dtype).removeprefix("torch.")},
+            })
+        return out
+
     def qpass_served_moe(self) -> list[dict[str, Any]]:
         """One record per ``qpass_nvfp4`` MoE layer (``QpassNvfp4FusedMoEMethod``) of this rank: its
         name, checkpoint projection names per shard id (``w1``/``w3``/``w2``) and the raw bytes + shape
@@ -74,7 +91,8 @@ class QpassWorkerExtension:
         """sha256 of every parameter that is not part of a ``qpass_nvfp4`` layer (norms, embeddings,
         unquantized linears), by vLLM parameter name (HF name for those)."""
         model = self._qpass_model()
-        skip = {n for n, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ in (METHOD_CLASS, MOE_METHOD_CLASS)}
+        skip = {n for n, m in model.named_modules()
+                if type(getattr(m, "quant_method", None)).__name__ in (METHOD_CLASS, ACT_METHOD_CLASS, MOE_METHOD_CLASS)}
         out = {}
         for name, p in model.named_parameters():
             if name.rpartition(".")[0] not in skip:
@@ -127,6 +145,41 @@ def assemble_served(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: An
     return out
 
 
+def assemble_served_act_only(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: Any, group_of: Any) -> dict[str, Any]:
+    """Per-rank :meth:`QpassWorkerExtension.qpass_served_act_only` records -> ``{site: ServedSite}``
+    with ``format="unquantized"``: ``codes`` = the served weight rows ``[N, K]`` in the engine dtype
+    (fused rows split by ``logical_widths``, TP shards joined along N, or K for row-parallel layers),
+    ``scales`` empty ``[N, 0]`` uint8, no global scale.
+
+    Raises:
+        QpassError: ranks disagree on a layer's shards, or a fused layer's widths do not match its members.
+    """
+    from qpass.runtime.served import ServedSite
+
+    by_layer: dict[str, list[Mapping[str, Any]]] = {}
+    for recs in per_rank:
+        for r in recs:
+            by_layer.setdefault(r["layer"], []).append(r)
+    out: dict[str, ServedSite] = {}
+    for layer, recs in sorted(by_layer.items()):
+        recs = sorted(recs, key=lambda r: r["tp_rank"])
+        sites = members(layer)
+        if any(len(r["logical_widths"]) != len(sites) for r in recs):
+            raise QpassError(f"vLLM layer {layer}: {len(recs[0]['logical_widths'])} shards served, checkpoint sites {sites}")
+        parts: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
+        for r in recs:
+            w = _tensor(r["weight"], getattr(torch, r["weight"]["dtype"]))
+            row = 0
+            for s, n in zip(sites, r["logical_widths"]):
+                parts[s].append(w[row:row + n])
+                row += n
+        dim = 1 if recs[0]["k_sharded"] else 0
+        for s in sites:
+            w = torch.cat(parts[s], dim) if len(parts[s]) > 1 else parts[s][0]
+            out[s] = ServedSite(s, "unquantized", w, torch.empty((w.shape[0], 0), dtype=torch.uint8), None, group_of(s))
+    return out
+
+
 def assemble_served_moe(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """Per-rank :meth:`QpassWorkerExtension.qpass_served_moe` records -> ``{checkpoint site: ServedSite}``
     per expert projection (``<layer>.<e>.<gate name>`` = w13 rows ``[0, I)`` with global column 0,
@@ -162,4 +215,4 @@ def _tensor(rec: Mapping[str, Any], dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype).reshape(rec["shape"])
 
 
-__all__ = ["METHOD_CLASS", "MOE_METHOD_CLASS", "QpassWorkerExtension", "WORKER_EXTENSION", "assemble_served", "assemble_served_moe"]
+__all__ = ["ACT_METHOD_CLASS", "METHOD_CLASS", "assemble_served_act_only", "MOE_METHOD_CLASS", "QpassWorkerExtension", "WORKER_EXTENSION", "assemble_served", "assemble_served_moe"]
