@@ -100,6 +100,25 @@ class QpassWorkerExtension:
         return out
 
 
+def _layers_by_rank(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: Any):
+    """Yield ``(records sorted by TP rank, checkpoint sites in shard order)`` per layer of the served
+    records, after checking that every rank's shard widths match the layer's checkpoint members.
+
+    Raises:
+        QpassError: a fused layer's widths do not match its members.
+    """
+    by_layer: dict[str, list[Mapping[str, Any]]] = {}
+    for recs in per_rank:
+        for r in recs:
+            by_layer.setdefault(r["layer"], []).append(r)
+    for layer, recs in sorted(by_layer.items()):
+        recs = sorted(recs, key=lambda r: r["tp_rank"])
+        sites = members(layer)
+        if any(len(r["logical_widths"]) != len(sites) for r in recs):
+            raise QpassError(f"vLLM layer {layer}: {len(recs[0]['logical_widths'])} shards served, checkpoint sites {sites}")
+        yield recs, sites
+
+
 def assemble_served(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: Any, group_of: Any) -> dict[str, Any]:
     """Per-rank :meth:`QpassWorkerExtension.qpass_served` records -> ``{site: ServedSite}``.
 
@@ -113,16 +132,8 @@ def assemble_served(per_rank: Sequence[Sequence[Mapping[str, Any]]], members: An
     """
     from qpass.runtime.served import ServedSite
 
-    by_layer: dict[str, list[Mapping[str, Any]]] = {}
-    for recs in per_rank:
-        for r in recs:
-            by_layer.setdefault(r["layer"], []).append(r)
     out: dict[str, ServedSite] = {}
-    for layer, recs in sorted(by_layer.items()):
-        recs = sorted(recs, key=lambda r: r["tp_rank"])
-        sites = members(layer)
-        if any(len(r["logical_widths"]) != len(sites) for r in recs):
-            raise QpassError(f"vLLM layer {layer}: {len(recs[0]['logical_widths'])} shards served, checkpoint sites {sites}")
+    for recs, sites in _layers_by_rank(per_rank, members):
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {s: [] for s in sites}
         for r in recs:
             codes = _tensor(r["weight"], torch.uint8)
@@ -156,16 +167,8 @@ def assemble_served_act_only(per_rank: Sequence[Sequence[Mapping[str, Any]]], me
     """
     from qpass.runtime.served import ServedSite
 
-    by_layer: dict[str, list[Mapping[str, Any]]] = {}
-    for recs in per_rank:
-        for r in recs:
-            by_layer.setdefault(r["layer"], []).append(r)
     out: dict[str, ServedSite] = {}
-    for layer, recs in sorted(by_layer.items()):
-        recs = sorted(recs, key=lambda r: r["tp_rank"])
-        sites = members(layer)
-        if any(len(r["logical_widths"]) != len(sites) for r in recs):
-            raise QpassError(f"vLLM layer {layer}: {len(recs[0]['logical_widths'])} shards served, checkpoint sites {sites}")
+    for recs, sites in _layers_by_rank(per_rank, members):
         parts: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
         for r in recs:
             w = _tensor(r["weight"], getattr(torch, r["weight"]["dtype"]))
