@@ -14,15 +14,7 @@ from qpass.quant.weights import quantize_site_weights
 from qpass.formats.spec import NVFP4_WEIGHT
 from qpass.runtime.learner import TorchLearner
 from qpass.runtime.sync import sync_weights
-from tests.test_grpo import tiny_cfg, tiny_trainer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.test_grpo import _one_thread, tiny_cfg, tiny_trainer  # noqa: F401 - _one_thread: autouse, 1 torch thread
 
 
 def _w(seed: int = 0) -> torch.nn.Parameter:
