@@ -149,6 +149,24 @@ def _checked_moe_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
     return qpass_checked_moe_loader
 
 
+def _begin_layer(layer: torch.nn.Module, prefix: str, input_size_per_partition: int, input_size: int,
+                 output_partition_sizes: list[int]) -> None:
+    """The qpass attributes every linear method's ``create_weights`` sets first: checkpoint site,
+    row-parallel flag (K split over TP ranks), the (parameter, shard) load record, shard widths."""
+    layer.qpass_site = prefix
+    layer.qpass_k_sharded = input_size_per_partition != input_size
+    layer.qpass_loaded = set()
+    layer.logical_widths = list(output_partition_sizes)
+
+
+def _end_layer(layer: torch.nn.Module, params_dtype: torch.dtype, input_size_per_partition: int,
+               output_partition_sizes: list[int]) -> None:
+    """The size attributes vLLM's linear layers read after ``create_weights``."""
+    layer.params_dtype = params_dtype
+    layer.input_size_per_partition = input_size_per_partition
+    layer.output_size_per_partition = sum(output_partition_sizes)
+
+
 @functools.lru_cache(maxsize=1)
 def plugin_classes() -> tuple[type, type]:
     """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing vLLM's bases.
@@ -179,10 +197,7 @@ def plugin_classes() -> tuple[type, type]:
         def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                            input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
             weight_loader = extra_weight_attrs.get("weight_loader")
-            layer.qpass_site = self.prefix
-            layer.qpass_k_sharded = input_size_per_partition != input_size
-            layer.qpass_loaded = set()
-            layer.logical_widths = list(output_partition_sizes)
+            _begin_layer(layer, self.prefix, input_size_per_partition, input_size, output_partition_sizes)
             if layer.qpass_k_sharded and self.rac is not None and self.act != "none":
                 raise QuantizationError(
                     f"{METHOD_NAME}: layer {self.prefix} is row-parallel (K split {input_size} -> {input_size_per_partition}) "
@@ -193,9 +208,7 @@ def plugin_classes() -> tuple[type, type]:
                 if p.kind == "ModelWeightParameter":
                     kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
                 layer.register_parameter(p.name, param_classes[p.kind](**kw))
-            layer.params_dtype = params_dtype
-            layer.input_size_per_partition = input_size_per_partition
-            layer.output_size_per_partition = sum(output_partition_sizes)
+            _end_layer(layer, params_dtype, input_size_per_partition, output_partition_sizes)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             check_all_loaded(layer, self.prefix)
@@ -226,18 +239,13 @@ def plugin_classes() -> tuple[type, type]:
         def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                            input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
             weight_loader = extra_weight_attrs.get("weight_loader")
-            layer.qpass_site = self.prefix
+            _begin_layer(layer, self.prefix, input_size_per_partition, input_size, output_partition_sizes)
             layer.qpass_act_only = True
-            layer.qpass_k_sharded = input_size_per_partition != input_size
-            layer.qpass_loaded = set()
-            layer.logical_widths = list(output_partition_sizes)
             for p in act_only_param_specs(input_size_per_partition, output_partition_sizes, params_dtype, prefix=self.prefix):
                 layer.register_parameter(p.name, param_classes[p.kind](
                     data=make_tensor(p), input_dim=p.input_dim, output_dim=p.output_dim,
                     weight_loader=_checked_loader(layer, p.name, weight_loader)))
-            layer.params_dtype = params_dtype
-            layer.input_size_per_partition = input_size_per_partition
-            layer.output_size_per_partition = sum(output_partition_sizes)
+            _end_layer(layer, params_dtype, input_size_per_partition, output_partition_sizes)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             check_all_loaded(layer, self.prefix, ACT_ONLY_CHECKED)

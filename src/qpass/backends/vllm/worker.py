@@ -35,6 +35,14 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(_raw(t)).hexdigest()
 
 
+def _layer_header(name: str, mod: torch.nn.Module) -> dict[str, Any]:
+    """The fields every served-layer record starts with: checkpoint site (``layer``), shard widths,
+    whether K is split over TP ranks, and the rank's TP position."""
+    return {"layer": getattr(mod, "qpass_site", name), "logical_widths": list(mod.logical_widths),
+            "k_sharded": bool(mod.qpass_k_sharded), "tp_rank": int(getattr(mod, "tp_rank", 0)),
+            "tp_size": int(getattr(mod, "tp_size", 1))}
+
+
 class QpassWorkerExtension:
     """Methods vLLM's worker gains (called by name through ``collective_rpc``)."""
 
@@ -50,9 +58,7 @@ class QpassWorkerExtension:
             if type(getattr(mod, "quant_method", None)).__name__ != METHOD_CLASS:
                 continue
             out.append({
-                "layer": getattr(mod, "qpass_site", name), "logical_widths": list(mod.logical_widths),
-                "k_sharded": bool(mod.qpass_k_sharded), "tp_rank": int(getattr(mod, "tp_rank", 0)),
-                "tp_size": int(getattr(mod, "tp_size", 1)),
+                **_layer_header(name, mod),
                 **{p: {"bytes": _raw(getattr(mod, p)), "shape": list(getattr(mod, p).shape)}
                    for p in ("weight", "weight_scale", "weight_scale_2")},
             })
@@ -67,9 +73,7 @@ class QpassWorkerExtension:
             if type(getattr(mod, "quant_method", None)).__name__ != ACT_METHOD_CLASS:
                 continue
             out.append({
-                "layer": getattr(mod, "qpass_site", name), "logical_widths": list(mod.logical_widths),
-                "k_sharded": bool(mod.qpass_k_sharded), "tp_rank": int(getattr(mod, "tp_rank", 0)),
-                "tp_size": int(getattr(mod, "tp_size", 1)),
+                **_layer_header(name, mod),
                 "weight": {"bytes": _raw(mod.weight), "shape": list(mod.weight.shape), "dtype": str(mod.weight.dtype).removeprefix("torch.")},
             })
         return out
