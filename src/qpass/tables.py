@@ -182,6 +182,34 @@ def reference_quantize(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | No
     return entry("reference", spec)(spec, x, amax=amax, site=site, name=name)
 
 
+def backend_quantize(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str | None = None,
+                     name: str | None = None) -> Any:
+    """``spec``'s quantizer on the kernel backend in effect (:func:`qpass.ops.use_kernels`) for ``x``'s device.
+
+    The backend's ``kernels`` entry of op :data:`QUANTIZE_OP` for ``type(spec)`` runs where the backend
+    has one and it runs on ``x.device`` (:func:`qpass.ops.effective_backend`: Triton on CUDA, or
+    anywhere under ``TRITON_INTERPRET=1``) and ``spec`` uses the ``te_reference`` arithmetic (the only
+    one the Triton NVFP4 kernels implement); otherwise the ``reference`` entry. Those entries are
+    byte-identical to ``reference`` by contract (each backend's selfcheck compares them), so callers
+    get the same bits either way; the learner's weight QDQ and the GRPO weight sync use it (issue 13:
+    the reference quantizer's many small launches dominated a GPU GRPO step).
+
+    Args / returns / raises: as :func:`reference_quantize` (``amax`` is passed to the backend only for
+    specs with a global scale).
+    """
+    from qpass.ops import current_backend, effective_backend
+
+    backend = effective_backend(current_backend(), x.device)
+    if backend != "reference" and getattr(spec, "arithmetic", "te_reference") == "te_reference":
+        load_core()
+        fn = TABLES["kernels"].get((QUANTIZE_OP, type(spec), backend))
+        if fn is not None:
+            if getattr(spec, "has_global_scale", False):
+                return fn(spec, x, amax, site=site, name=name)
+            return fn(spec, x, site=site, name=name)
+    return reference_quantize(spec, x, amax, site=site, name=name)
+
+
 def reference_qdq(spec: QuantSpec | str, x: torch.Tensor, amax: torch.Tensor | None = None, site: str | None = None) -> torch.Tensor:
     """``dequantize(reference(spec)(x))`` in ``x.dtype`` (``spec`` may be a canonical key)."""
     if isinstance(spec, str):

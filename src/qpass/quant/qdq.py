@@ -25,6 +25,7 @@ from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, Quan
 from qpass.quant.groups import member_amax
 from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.reuse import amax_bits, memo, reuse_active
+from qpass.tables import backend_quantize
 
 
 @torch.library.custom_op("qpass::group_amax", mutates_args=())
@@ -60,11 +61,13 @@ def nvfp4_qdq_op(w: torch.Tensor, amax: torch.Tensor, site: str, arithmetic: str
 
     Inside :func:`qpass.quant.reuse.reuse_weight_quantization` the dequantized weight is computed
     once per ``(w version, amax bits, arithmetic)`` and a clone is returned (a write to ``w``, e.g.
-    an optimizer step, invalidates it); outside it every call quantizes.
+    an optimizer step, invalidates it); outside it every call quantizes. The quantizer is the kernel
+    backend's in effect (:func:`qpass.tables.backend_quantize`: the Triton kernel under
+    ``use_kernels("triton")`` on CUDA, byte-identical to the reference).
     """
 
     def compute() -> torch.Tensor:
-        q = nvfp4_quantize(w, amax, spec=nvfp4_weight_spec(arithmetic), name="weight", site=site or None)
+        q = backend_quantize(nvfp4_weight_spec(arithmetic), w, amax, site=site or None, name="weight")
         return nvfp4_dequantize(q, w.dtype)
 
     if not reuse_active():

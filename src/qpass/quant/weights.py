@@ -79,8 +79,8 @@ def quantize_site_weights(
 
 def cached_reference_quantize(spec: QuantSpec, w: torch.Tensor, amax: torch.Tensor | None, *, site: str | None = None,
                               name: str | None = None) -> Any:
-    """``qpass.tables.reference_quantize(spec, w, amax, site, name)``, memoized per ``(w version, amax
-    bits, spec)`` inside :func:`qpass.quant.reuse.reuse_weight_quantization` (outside: a plain call).
+    """``qpass.tables.backend_quantize(spec, w, amax, site, name)`` (the reference quantizer's bytes, on
+    the kernel backend in effect), memoized per ``(w version, amax bits, spec)`` inside :func:`qpass.quant.reuse.reuse_weight_quantization` (outside: a plain call).
 
     Args:
         spec: a weight spec; w: the weight ``[N, K]`` (bf16/fp16/fp32); amax: float32 0-dim group
@@ -89,11 +89,11 @@ def cached_reference_quantize(spec: QuantSpec, w: torch.Tensor, amax: torch.Tens
         the quantized tensor (shared with other callers in the context: read-only).
     """
     from qpass.quant.reuse import amax_bits, memo, reuse_active
-    from qpass.tables import reference_quantize
+    from qpass.tables import backend_quantize
 
     if not reuse_active():
-        return reference_quantize(spec, w, amax, site=site, name=name)
-    return memo("reference", (w,), (spec, amax_bits(amax)), lambda: reference_quantize(spec, w, amax, site=site, name=name))
+        return backend_quantize(spec, w, amax, site=site, name=name)
+    return memo("reference", (w,), (spec, amax_bits(amax)), lambda: backend_quantize(spec, w, amax, site=site, name=name))
 
 
 def _flushed(q: Any) -> int:
