@@ -20,7 +20,6 @@ kernel for an op is an error (:class:`qpass.tables.KernelMissingError`), never a
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from qpass.errors import QpassError
+from qpass.kernel_select import BACKEND, current_backend, effective_backend  # noqa: F401 (re-exported)
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec
 from qpass.quant.fp8 import FP8Tensor
 from qpass.quant.linear import fp8_linear_reference, w4a4_linear_reference, w4a16_linear_reference
@@ -41,7 +41,7 @@ ACT_MODES = ("none", "nvfp4", "nvfp4_per_token")
 # whatever the model dtype; the parity checker compares the learner's operand against it.
 WEIGHT_OPERAND_DTYPE = torch.bfloat16
 
-_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("qpass_kernel_backend", default="reference")
+_BACKEND = BACKEND  # the selection lives in qpass.kernel_select (read by qpass.tables.backend_quantize)
 
 
 def register_kernel(op: str, backend: str, spec_type: type = NVFP4Spec) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -90,20 +90,6 @@ def use_kernels(name: str) -> Iterator[None]:
         yield
     finally:
         _BACKEND.reset(token)
-
-
-def current_backend() -> str:
-    return _BACKEND.get()
-
-
-def effective_backend(name: str, device: str | torch.device) -> str:
-    """The kernels that will actually run for backend ``name`` on ``device``: ``triton`` off CUDA
-    runs the reference ops unless ``TRITON_INTERPRET=1`` (the same rule as the dispatcher)."""
-    import os
-
-    if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "reference"
-    return name
 
 
 def _dispatch(op: str, spec: QuantSpec, device: torch.device) -> Callable[..., torch.Tensor]:

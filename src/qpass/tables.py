@@ -187,7 +187,7 @@ def backend_quantize(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None
     """``spec``'s quantizer on the kernel backend in effect (:func:`qpass.ops.use_kernels`) for ``x``'s device.
 
     The backend's ``kernels`` entry of op :data:`QUANTIZE_OP` for ``type(spec)`` runs where the backend
-    has one and it runs on ``x.device`` (:func:`qpass.ops.effective_backend`: Triton on CUDA, or
+    has one and it runs on ``x.device`` (:func:`qpass.kernel_select.effective_backend`: Triton on CUDA, or
     anywhere under ``TRITON_INTERPRET=1``) and ``spec`` uses the ``te_reference`` arithmetic (the only
     one the Triton NVFP4 kernels implement); otherwise the ``reference`` entry. Those entries are
     byte-identical to ``reference`` by contract (each backend's selfcheck compares them), so callers
@@ -197,7 +197,7 @@ def backend_quantize(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None
     Args / returns / raises: as :func:`reference_quantize` (``amax`` is passed to the backend only for
     specs with a global scale).
     """
-    from qpass.ops import current_backend, effective_backend
+    from qpass.kernel_select import current_backend, effective_backend
 
     backend = effective_backend(current_backend(), x.device)
     if backend != "reference" and getattr(spec, "arithmetic", "te_reference") == "te_reference":
