@@ -61,6 +61,14 @@ def test_apply_report_is_strict_json_with_checksums_and_registry_checks(applied)
             "learner/model.safetensors"} <= set(sums) and "report.json" not in sums
     assert all(len(v) == 64 for v in sums.values())
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dir, no reservation left
+    # what the numbers were computed on (the probe's tokens depend on the CPU's GEMM kernels)
+    import torch
+
+    assert rep["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert rep["machine"]["torch_threads"] == torch.get_num_threads() and rep["machine"]["cuda_device"] is None
+    flags = open("/proc/cpuinfo").read()
+    assert rep["machine"]["cpu_flags_amx_bf16"] is (" amx_bf16" in flags)
+    assert f"torch CPU capability {rep['machine']['cpu_capability']}" in (out / "report.md").read_text()
 
 
 def test_check_compares_every_tensor_it_wrote(applied, tiny_pipe):

@@ -123,6 +123,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"Model: {report['model']['name']} ({report['model']['dtype']}, {report['model']['device']}, kernels: {report['kernels']}"
              + (f", effective: {report['kernels_effective']}" if report.get("kernels_effective", report["kernels"]) != report["kernels"] else "")
              + ")", "",
+             *_machine_line(report.get("machine")),
              report["recipe"].get("description", ""), "",
              "## Parity", "", "| check | result | detail |", "| --- | --- | --- |"]
     for c in p["checks"]:  # one row per check of the recipe's parity: list
@@ -201,6 +202,7 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
         "artifacts": files,
         "timings": timings,
         "versions": {"torch": torch.__version__, "python": platform.python_version(), **_versions()},
+        "machine": machine_record(o.device),
         "ok": not any(r.ok is False for r in results),
     }
 
@@ -210,6 +212,35 @@ def write_report(tmp: Path, report: dict[str, Any]) -> None:
     (tmp / "report.md").write_text(markdown(report))
     report["artifacts"]["sha256"] = file_checksums(tmp)
     write_json(tmp / "report.json", report)
+
+
+def _machine_line(m: dict[str, Any] | None) -> list[str]:
+    if not m:
+        return []
+    gpu = f", GPU {m['cuda_device']}" if m.get("cuda_device") else ""
+    amx = {True: ", AMX-BF16", False: ", no AMX", None: ""}[m.get("cpu_flags_amx_bf16")]
+    return [f"Machine: {m['arch']}, torch CPU capability {m['cpu_capability']}{amx}, {m['torch_threads']} threads{gpu}", ""]
+
+
+def machine_record(device: str) -> dict[str, Any]:
+    """What the numbers were computed on: the sampled tokens, hence every log-prob gap of the probe,
+    depend on the matmul kernels torch picks for this CPU (e.g. AMX-BF16 vs AVX-512 bf16 GEMMs round
+    differently) and on the thread count, so two machines can report different gaps for one commit.
+
+    Returns ``{"cpu_capability": torch's CPU dispatch level (``"AVX512"``, ``"AVX2"``, ...),
+    "torch_threads": int, "arch": platform.machine(), "cpu_flags_amx_bf16": bool | None (None off
+    Linux), "cuda_device": name or None}``.
+    """
+    flags = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        pass
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads(),
+            "arch": platform.machine(), "cpu_flags_amx_bf16": flags,
+            "cuda_device": torch.cuda.get_device_name(torch.device(device)) if cuda else None}
 
 
 def _versions() -> dict[str, str]:
