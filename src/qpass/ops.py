@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from qpass.errors import QpassError
-from qpass.kernel_select import BACKEND, current_backend, effective_backend  # noqa: F401 (re-exported)
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, MXFP4Spec, NVFP4_WEIGHT, NVFP4Spec, QuantSpec
+from qpass.kernel_select import BACKEND, current_backend, effective_backend  # noqa: F401 (re-exported)
 from qpass.quant.fp8 import FP8Tensor
 from qpass.quant.linear import fp8_linear_reference, w4a4_linear_reference, w4a16_linear_reference
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec, nvfp4_dequantize
@@ -41,7 +41,6 @@ ACT_MODES = ("none", "nvfp4", "nvfp4_per_token")
 # whatever the model dtype; the parity checker compares the learner's operand against it.
 WEIGHT_OPERAND_DTYPE = torch.bfloat16
 
-_BACKEND = BACKEND  # the selection lives in qpass.kernel_select (read by qpass.tables.backend_quantize)
 
 
 def register_kernel(op: str, backend: str, spec_type: type = NVFP4Spec) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -78,18 +77,18 @@ def set_kernel_backend(name: str) -> None:
         QpassError: ``name`` has no registered kernels (import its backend module first).
     """
     _require_registered(name)
-    _BACKEND.set(name)
+    BACKEND.set(name)
 
 
 @contextlib.contextmanager
 def use_kernels(name: str) -> Iterator[None]:
     """Context manager form of :func:`set_kernel_backend`."""
     _require_registered(name)
-    token = _BACKEND.set(name)
+    token = BACKEND.set(name)
     try:
         yield
     finally:
-        _BACKEND.reset(token)
+        BACKEND.reset(token)
 
 
 def _dispatch(op: str, spec: QuantSpec, device: torch.device) -> Callable[..., torch.Tensor]:
@@ -98,7 +97,7 @@ def _dispatch(op: str, spec: QuantSpec, device: torch.device) -> Callable[..., t
     Raises:
         KernelMissingError: the backend has no kernel for this op/spec (no silent fallback).
     """
-    return kernel(op, spec, effective_backend(_BACKEND.get(), device))
+    return kernel(op, spec, effective_backend(BACKEND.get(), device))
 
 
 # ---------------------------------------------------------------------------------------------
