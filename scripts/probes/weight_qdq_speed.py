@@ -19,7 +19,6 @@ Prints one line per backend and the ratio reference/triton of the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qpass.apps.plugins import load_backends
     from qpass.formats.spec import NVFP4_WEIGHT
+    from qpass.jsonio import write_json
     from qpass.ops import effective_backend, use_kernels
     from qpass.quant.groups import group_amax
     from qpass.quant.qdq import nvfp4_qdq
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b:9s} qdq pass {med[b]['qdq'] * 1e3:8.1f} ms   sync pass {med[b]['sync'] * 1e3:8.1f} ms (median of {a.repeats})")
     print(f"ratio reference/triton: qdq {res['ratio_reference_over_triton']['qdq']:.2f}x, sync "
           f"{res['ratio_reference_over_triton']['sync']:.2f}x; qdq bits equal {qdq_equal}, sync bytes equal {sync_equal}")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, res)  # strict JSON, temp file + rename
     return 0 if qdq_equal and sync_equal else 1
 
 
