@@ -1,0 +1,1 @@
+"""qpass CUDA C++ kernels compiled at run time with NVRTC (see ``runtime``)."""

@@ -1,0 +1,113 @@
+"""Host side of ``kernels/nvfp4_act.cu``: NVFP4 activation operands for the rollout GEMMs.
+
+:func:`act_operands` quantizes one forward batch ``x [M, K]`` (SPEC §3 with a dynamic per-tensor or
+per-token global scale) and returns the exact GEMM operand ``B_X = e2m1·s_b`` (bf16) with ``S_dec_X``;
+with RAC (SPEC §2, ``mode: masked``, ``selection: batch`` or ``static``) also the compensation operand
+``B_R = M_S ⊙ (e2m1_R·s_b,R)`` with ``S_dec_R`` (SPEC §3.1: two accumulations, two alphas). Launches:
+``act_amax`` + ``act_quant`` (+ ``rac_select`` + ``rac_residual`` with RAC), all on torch's stream,
+no host synchronisation unless value checks are on (then non-finite inputs raise, naming the site).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from qpass.errors import QuantizationError
+from qpass.backends.cuda import runtime
+
+_X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+THREADS = 256
+SELECT_THREADS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ActOperands:
+    """``bx`` bf16 [M, K] = e2m1·s_b of Q_A(x); ``s_dec_x`` float32 [1] or [M]; with RAC ``br`` bf16
+    [M, K] (zero outside the selected channels) and ``s_dec_r``; ``mask`` int32 bitmap [ceil(K/32)]."""
+
+    bx: torch.Tensor
+    s_dec_x: torch.Tensor
+    br: torch.Tensor | None = None
+    s_dec_r: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    amax_bits: torch.Tensor | None = None
+
+
+def _sms(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def supported(x: torch.Tensor) -> bool:
+    return (x.is_cuda and runtime.available() and x.dim() == 2 and x.dtype in _X_KIND and x.shape[1] % 16 == 0
+            and x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 64 == 0)
+
+
+def channel_mask(channels: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """int32 bitmap [ceil(K/32)] with bit ``j`` set for each channel ``j`` (static RAC channels)."""
+    words = torch.zeros((k_dim + 31) // 32, dtype=torch.int64, device=channels.device)
+    ch = channels.to(torch.int64)
+    words.scatter_add_(0, ch // 32, torch.ones_like(ch) << (ch % 32))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+
+
+def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None = None,
+                 static_mask: torch.Tensor | None = None, lim: float | None = None, check: bool = False,
+                 site: str | None = None) -> ActOperands:
+    """Quantize ``x [M, K]`` to the W4A4 operands (module docstring).
+
+    Args:
+        x: bf16/fp16/fp32 ``[M, K]`` on CUDA, ``K % 16 == 0``, rows 16-element aligned.
+        per_token: one global scale per row (else one per tensor).
+        rac_k: number of compensated channels (None or 0: no RAC). With ``static_mask`` (an int32
+            bitmap, :func:`channel_mask`) the channels are given; otherwise the batch top-k by the
+            exact scores of ``qpass.quant.rac``.
+        lim: the operand saturation bound of the input dtype (``qpass.quant.nvfp4.act_operand_limit``).
+        check: raise on NaN/inf input (synchronises with the host).
+    Raises:
+        QuantizationError: a shape the kernels do not take, or (``check``) a non-finite input.
+    """
+    if not supported(x):
+        raise QuantizationError(f"act_operands cannot take x {tuple(x.shape)} {x.dtype} at site {site}")
+    from qpass.quant.nvfp4 import act_operand_limit
+
+    m, k = x.shape
+    dev = x.device
+    di = dev.index or 0
+    lim = act_operand_limit(x.dtype) if lim is None else lim
+    rac = bool(rac_k)
+    base = dict(X_KIND=_X_KIND[x.dtype], PER_TOKEN=int(per_token), THREADS=THREADS)
+    blocks = m * (k // 16)
+    grid = max(1, min(4 * _sms(dev), -(-blocks // THREADS)))
+    p = m if per_token else max(1, min(2 * _sms(dev), -(-blocks // THREADS)))
+    partial = torch.empty(p, dtype=torch.int32, device=dev)
+    n_r = m if per_token else 1
+    scratch = torch.empty(2 * k + n_r if rac else 2, dtype=torch.int32, device=dev)
+    ka = runtime.get_kernel("nvfp4_act", "act_amax", base, di)
+    runtime.launch(ka, (p, 1, 1), (THREADS, 1, 1), [x, m, k, x.stride(0), partial, scratch, scratch.numel()], "piiippi")
+    bx = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    s_dec_x = torch.empty(n_r, dtype=torch.float32, device=dev)
+    scores = scratch[: 2 * k].view(torch.int64) if rac and static_mask is None else None
+    ramax = scratch[2 * k:] if rac else None
+    kq = runtime.get_kernel("nvfp4_act", "act_quant", dict(base, RAC=int(rac)), di)
+    runtime.launch(kq, (grid, 1, 1), (THREADS, 1, 1),
+                   [x, m, k, x.stride(0), partial, p, bx, bx.stride(0), s_dec_x, lim, scores, ramax], "piiipipipfpp")
+    if check:
+        bad = bool((partial.view(torch.int32) >= 0x7F800000).any())
+        if bad:
+            raise QuantizationError(f"activation at site {site} has NaN or inf values (nvfp4_quantize)")
+    if not rac:
+        return ActOperands(bx, s_dec_x, amax_bits=partial)
+    if static_mask is None:
+        mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev)
+        ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS), di)
+        runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask], "piip")
+    else:
+        mask = static_mask
+    br = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    s_dec_r = torch.empty(n_r, dtype=torch.float32, device=dev)
+    kr = runtime.get_kernel("nvfp4_act", "rac_residual", base, di)
+    runtime.launch(kr, (grid, 1, 1), (THREADS, 1, 1),
+                   [x, m, k, x.stride(0), partial, p, ramax, mask, br, br.stride(0), s_dec_r, lim], "piiipipppipf")
+    return ActOperands(bx, s_dec_x, br, s_dec_r, mask, amax_bits=partial)

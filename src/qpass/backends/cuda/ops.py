@@ -1,0 +1,85 @@
+"""The ``cuda`` kernel backend's entry for ``qpass::nvfp4_linear`` (a typed ``NVFP4LinearCall``).
+
+Routes (SPEC §3.1 operands everywhere; a call no route takes returns None and the caller runs the
+Triton kernel instead, so the backend never changes what a call computes, only which exact-operand
+kernel computes it):
+
+* W4A16, bf16/fp16 activations: ``M <= 32`` rows -> the tensor-core kernel on the NVFP4 bytes
+  (:mod:`.linear`); more rows -> cuBLAS on the cached exact ``B_W`` (:mod:`.prefill`).
+* W4A4 (per-tensor or per-token dynamic scale), optional RAC in ``masked`` mode with ``batch`` or
+  ``static`` selection: the activation kernels (:mod:`.act`) give ``B_X`` (and ``B_R``), then the
+  same two GEMM routes with ``alpha = S_dec_X · S_dec_W`` (and the second accumulation's
+  ``S_dec_R · S_dec_W``).
+
+Not routed (Triton runs them): fp32 activations, ``gathered`` RAC, ``token`` selection, K not a
+multiple of 32, misaligned inputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from qpass.backends.cuda import act as ca
+from qpass.backends.cuda import linear as cl
+from qpass.backends.cuda import prefill as cp
+from qpass.backends.cuda import runtime
+
+_MASKS: dict[int, tuple] = {}
+
+
+def _static_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
+    key = channels.data_ptr()
+    hit = _MASKS.get(key)
+    if hit is not None and hit[0]() is channels and hit[1] == channels._version:
+        return hit[2]
+    m = ca.channel_mask(channels, k)
+    _MASKS[key] = (weakref.ref(channels), channels._version, m)
+    return m
+
+
+def routable(call) -> bool:
+    """Whether :func:`nvfp4_linear` takes this call (see the module docstring)."""
+    x = call.x
+    if not (x.is_cuda and runtime.available()) or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    k = call.in_features
+    if k % 32 or x.stride(-1) != 1:
+        return False
+    if call.rac is not None and (call.rac.mode != "masked" or call.rac.selection == "token"):
+        return False
+    return True
+
+
+def nvfp4_linear(call) -> torch.Tensor | None:
+    """``qpass::nvfp4_linear`` on the CUDA kernels, or None when no route takes the call."""
+    if not routable(call):
+        return None
+    k = call.in_features
+    x2 = call.x.reshape(-1, k)
+    if x2.data_ptr() % 64 or x2.stride(0) % 16:
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 64:
+            return None
+    m = x2.shape[0]
+    w = call.weight
+    from qpass.sync_checks import sync_checks_enabled
+
+    if call.w4a16:
+        a, s_dec_x, br, s_dec_r = x2, None, None, None
+    else:
+        mask = _static_mask(call.rac_channels, k) if call.rac is not None and call.rac.selection == "static" else None
+        ops = ca.act_operands(x2, per_token=call.per_token, rac_k=call.rac_k or None, static_mask=mask,
+                              check=sync_checks_enabled(x2.device), site=call.site)
+        a, s_dec_x, br, s_dec_r = ops.bx, ops.s_dec_x, ops.br, ops.s_dec_r
+        if x2.dtype != torch.bfloat16:  # B_X is bf16 whatever the input dtype (exact)
+            pass
+    slots = m * (2 if br is not None else 1)
+    if slots <= cl.MAX_TOKEN_SLOTS and cl.supported(a, w.codes, br):
+        y = cl.nvfp4_mma_linear(a, w.codes, w.scales, w.s_dec, s_dec_x=s_dec_x, per_token=call.per_token, x2=br,
+                                s_dec_x2=s_dec_r, bias=call.bias, out_dtype=call.out_dtype, site=call.site)
+    else:
+        y = cp.prefill_linear(a, w.codes, w.scales, w.s_dec, s_dec_x=s_dec_x, per_token=call.per_token, x2=br,
+                              s_dec_x2=s_dec_r, bias=call.bias, out_dtype=call.out_dtype)
+    return y.reshape(*call.x.shape[:-1], y.shape[-1])

@@ -1,0 +1,280 @@
+"""CPU tier of the CUDA (NVRTC) kernels in ``qpass.backends.cuda``.
+
+The kernels run only on a GPU (``python -m qpass.backends.cuda.devcheck`` checks them there against
+the reference, bit for bit where the arithmetic is exact); here:
+
+* the power-of-two carrier of the tensor-core operand decode (SPEC §3.1), modelled with the same bit
+  operations and roundings as ``kernels/nvfp4_mma.cu``, is exact for all 16 codes x 256 scale bytes;
+* every kernel variant the host code can pick compiles with NVRTC for sm_90 without register spills;
+* the kernel configuration is a fixed function of the shape.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from qpass.backends.cuda import linear as cl
+from qpass.backends.cuda import runtime
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _bits_to(dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int16).view(dtype).double()
+
+
+def _carrier_e2m1(code: torch.Tensor, fp16: bool) -> torch.Tensor:
+    """The kernel's e2m1_pair on one nibble placed at bits 12..15 of a half."""
+    q = code.to(torch.int32) << 12
+    half = (q & 0x8000) | ((q & 0x7000) >> (3 if fp16 else 6))
+    return _bits_to(torch.float16 if fp16 else torch.bfloat16, half)
+
+
+def _carrier_scale(byte: torch.Tensor, fp16: bool) -> torch.Tensor:
+    """cvt e4m3 -> f16 (exact), -> f32, * 2^C, -> bf16/fp16 with one RNE rounding."""
+    s = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).float()
+    c = 2.0 ** (7 if fp16 else 119)
+    return (s * c).to(torch.float16 if fp16 else torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_operand_carrier_exact_for_every_code_and_scale_byte(fp16):
+    codes = torch.arange(16)
+    scales = torch.arange(256)
+    e = _carrier_e2m1(codes, fp16)  # [16]
+    ref_e = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
+    assert torch.equal(e, ref_e * 2.0 ** (-14 if fp16 else -126))
+    s = _carrier_scale(scales, fp16)
+    s_ref = scales.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    finite = torch.isfinite(s_ref)
+    assert int(finite.sum()) == 254  # 0x7F and 0xFF are NaN in float8_e4m3fn
+    assert torch.equal(s[finite], s_ref[finite] * 2.0 ** (7 if fp16 else 119))
+    prod = e.unsqueeze(1) * s.unsqueeze(0)  # exact in float64
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    rounded = prod.to(dtype).double()  # the packed multiply's one rounding
+    b = ref_e.unsqueeze(1) * s_ref.unsqueeze(0)  # SPEC §3.1 B = e2m1 * s_b
+    fin = torch.isfinite(b)
+    assert torch.equal(rounded[fin], prod[fin])  # no rounding happened
+    assert torch.equal(rounded[fin], b[fin] * 2.0 ** -7)  # carrier B * 2^-7
+    info = torch.finfo(dtype)
+    nz = rounded[fin] != 0
+    # bf16: every non-zero carrier is a normal number; fp16: the exactness above covers its subnormals
+    if not fp16:
+        assert float(rounded[fin][nz].abs().min()) >= info.tiny
+    assert float(rounded[fin].abs().max()) <= 2688 * 2.0 ** -7 * 448 / 448
+
+
+def test_choose_config_is_a_fixed_function_of_the_shape():
+    assert cl.choose_config(1, 4096, 4096) == cl.MMAConfig(1, 8)
+    assert cl.choose_config(1, 4096, 14336) == cl.MMAConfig(1, 8)
+    assert cl.choose_config(16, 14336, 4096) == cl.MMAConfig(2, 2)
+    assert cl.choose_config(1, 576, 576) == cl.MMAConfig(1, 2)
+    assert cl.choose_config(32, 192, 576) == cl.MMAConfig(4, 2)
+    assert cl.choose_config(9, 1536, 576).nt == 2
+
+
+def _cuobjdump() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else None
+
+
+MMA_VARIANTS = [dict(NT=nt, NW=nw, XH=xh, OUT_KIND=ok, HAS_X2=x2, HAS_BIAS=b, ALPHA_KIND=a)
+                for nt, nw, xh, ok, x2, b, a in [(1, 8, 0, 0, 0, 0, 0), (2, 2, 0, 0, 1, 1, 1), (4, 2, 1, 1, 0, 1, 2),
+                                                  (1, 16, 0, 2, 1, 0, 2), (4, 4, 0, 0, 1, 1, 1)]]
+ACT_VARIANTS = [dict(X_KIND=xk, PER_TOKEN=pt, RAC=r, THREADS=th)
+                for xk, pt, r, th in [(0, 0, 0, 256), (0, 0, 1, 256), (1, 1, 1, 256), (2, 0, 1, 256), (0, 0, 0, 1024)]]
+
+
+@pytest.mark.skipif(not runtime.available(), reason="cuda-bindings (NVRTC) not installed: pip install 'qpass[cuda]'")
+@pytest.mark.parametrize("name,defines", [("nvfp4_mma", d) for d in MMA_VARIANTS] + [("nvfp4_act", d) for d in ACT_VARIANTS])
+def test_kernels_compile_for_sm90_without_spills(name, defines, tmp_path, monkeypatch):
+    monkeypatch.setenv("QPASS_CUDA_CACHE", str(tmp_path))
+    cubin = runtime.compile_cubin(name, defines, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump (from the triton wheel) not available")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    for m in re.finditer(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res):
+        assert int(m.group(2)) == 0 and int(m.group(4)) == 0, res
+    if name == "nvfp4_mma":
+        assert "HMMA.16816.F32" in sass  # the tensor-core path, not FFMA
+        assert "HMUL2" in sass  # one packed multiply per operand pair (the exact B)
+    # the compile is cached on disk: a second call reads the file
+    assert runtime.compile_cubin(name, defines, "sm_90") == cubin
+    assert any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not runtime.available(), reason="cuda-bindings (NVRTC) not installed")
+def test_compile_error_names_the_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("QPASS_CUDA_CACHE", str(tmp_path))
+    with pytest.raises(runtime.CudaKernelError, match="nvfp4_mma.cu"):
+        runtime.compile_cubin("nvfp4_mma", dict(NT=0), "sm_90")  # NT = 0: zero-length arrays do not compile
+
+
+def test_channel_mask_bits():
+    from qpass.backends.cuda.act import channel_mask
+
+    ch = torch.tensor([0, 5, 31, 32, 63, 70])
+    m = channel_mask(ch, 80)
+    assert m.dtype == torch.int32 and m.shape == (3,)
+    w = m.to(torch.int64) & 0xFFFFFFFF
+    assert int(w[0]) == (1 << 0) | (1 << 5) | (1 << 31)
+    assert int(w[1]) == (1 << 0) | (1 << 31)
+    assert int(w[2]) == 1 << 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Models of the kernels' data movement (pure Python, mirroring the CUDA code line by line), so a
+# mapping mistake shows up on the CPU before a GPU run. They check the *algorithm*; the GPU check
+# (devcheck) checks the CUDA code itself.
+
+def _e2m1_pair_bits(q: int) -> int:
+    return (q & 0x80008000) | ((q & 0x70007000) >> 6)
+
+
+_BF16_TABLE: list[float] = []
+
+
+def _carrier_value(h: int) -> float:
+    """float value of a bf16 bit pattern (subnormals included)."""
+    if not _BF16_TABLE:
+        _BF16_TABLE.extend(torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double().tolist())
+    return _BF16_TABLE[h]
+
+
+def _bf16_value(h: int) -> float:
+    return _carrier_value(h)
+
+
+def _bf16_pair(xbits: list, row: int, col: int) -> int:
+    """x[row, col] (low half) and x[row, col + 1] (high half) as one 32-bit word of bf16 bits."""
+    return (xbits[row][col] & 0xFFFF) | ((xbits[row][col + 1] & 0xFFFF) << 16)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte sel[4i+3:4i] of {b, a}."""
+    src = a | (b << 32)
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _mma_model(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, nw: int) -> torch.Tensor:
+    """acc [M, N] of nvfp4_mma_gemm (one n8 tile per 8 tokens) with exact float64 arithmetic."""
+    m, k = x.shape
+    n = codes.shape[0]
+    nt = -(-m // 8)
+    e2m1 = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
+    sval = scales.view(torch.float8_e4m3fn).double() if scales.dtype == torch.uint8 else scales.double()
+    words = codes.contiguous().view(torch.int32) if k % 8 == 0 else None  # 8 nibbles per int32 (little endian)
+    acc = torch.zeros(-(-n // 16) * 16, nt * 8, dtype=torch.float64)
+    xbits = x.to(torch.bfloat16).view(torch.int16).tolist()
+    wlist, slist = words.tolist(), sval.tolist()
+    nfull = k // 128
+    per = -(-nfull // nw) if nfull else 0
+    for g0 in range(0, n, 16):
+        for warp in range(nw):
+            c0 = min(nfull, warp * per)
+            c1 = min(nfull, c0 + per)
+            chunks = [(c, 2) for c in range(c0, c1)]
+            if k % 128 and warp == nw - 1:
+                chunks.append((nfull, None))
+            for c, full in chunks:
+                d = [[0.0] * (nt * 8) for _ in range(16)]  # this warp's accumulator tile
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    kb = c * 128 + 32 * t
+                    nb = 2 if full else max(0, min(2, (k - kb) // 16))
+                    for r, row in enumerate((g0 + g, g0 + g + 8)):
+                        rc = min(row, n - 1)
+                        for w in range(4):
+                            if w >= 2 * nb:
+                                continue
+                            word = wlist[rc][(kb // 8) + w] & 0xFFFFFFFF
+                            s = slist[rc][kb // 16 + w // 2]
+                            for h in range(2):
+                                gw = (word << (8 * h)) & 0xFFFFFFFF
+                                for qq, sh in ((0, 0), (1, 4)):  # a0/a1 from gw, a2/a3 from gw << 4
+                                    pair = _e2m1_pair_bits((gw << sh) & 0xFFFFFFFF)
+                                    a_lo, a_hi = _carrier_value(pair & 0xFFFF), _carrier_value(pair >> 16)
+                                    for j in range(nt):
+                                        for col in range(8):
+                                            tok = 8 * j + col
+                                            xt = tok if tok < m else 0
+                                            xw = [_bf16_pair(xbits, xt, kb + 8 * w + 2 * i) for i in range(4)]
+                                            lo_w, hi_w = xw[1 - h], xw[3 - h]
+                                            bsel = _prmt(lo_w, hi_w, 0x7632 if qq == 0 else 0x5410)
+                                            b_lo, b_hi = _bf16_value(bsel & 0xFFFF), _bf16_value(bsel >> 16)
+                                            d[8 * r + g][tok] += (a_lo * s * 2.0**126) * b_lo + (a_hi * s * 2.0**126) * b_hi
+                acc[g0:g0 + 16] += torch.tensor(d, dtype=torch.float64)
+    return acc[:n, :m].t()
+
+
+def test_mma_kernel_mapping_model_computes_x_times_b():
+    """Every (row, k) product is fed exactly once: with small-integer operands (exact sums in any
+    order) the model of the kernel's lane / word / pair / slot mapping equals X·B^T exactly."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, nw in [(3, 20, 160, 1), (9, 16, 128 + 32 + 16, 2)]:
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        scales = torch.tensor([0x38, 0x40, 0x30, 0x48], dtype=torch.uint8)[torch.randint(0, 4, (n, k // 16), generator=gen)]
+        x = torch.randint(-4, 5, (m, k), generator=gen).double()
+        e2m1 = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
+        b = e2m1[torch.stack([codes & 15, codes >> 4], -1).reshape(n, k).long()] * \
+            scales.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
+        got = _mma_model(x, codes, scales, nw)
+        assert torch.equal(got, x @ b.t()), (m, n, k, nw)
+
+
+def _radix_select_model(scores: list[int], k: int) -> set[int]:
+    """rac_select of nvfp4_act.cu: radix select over 64-bit keys, 8 bits per pass from the top,
+    early stop when the candidates of the prefix are exactly the ones needed; ties to the lower index."""
+    prefix, pmask, need, all_ = 0, 0, k, False
+    for sh in range(56, -1, -8):
+        if need <= 0 or all_:
+            break
+        hist = [0] * 256
+        for key in scores:
+            if key & pmask == prefix:
+                hist[(key >> sh) & 255] += 1
+        d = 255
+        while d > 0 and hist[d] < need:
+            need -= hist[d]
+            d -= 1
+        all_ = hist[d] == need
+        prefix |= d << sh
+        pmask |= 255 << sh
+    out, before = set(), 0
+    for j, key in enumerate(scores):
+        km = key & pmask
+        if km > prefix:
+            out.add(j)
+        elif km == prefix:
+            if all_ or before < need:
+                out.add(j)
+            before += 1
+    return out
+
+
+def test_rac_select_model_matches_the_reference_top_k():
+    from qpass.quant.rac import topk_channels
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [torch.randint(0, 2**62, (200,), generator=gen), torch.randint(0, 4, (97,), generator=gen),
+             torch.zeros(64, dtype=torch.int64), (torch.randint(0, 3, (300,), generator=gen) << 40)]
+    for scores in cases:
+        for k in (0, 1, 5, scores.numel() // 2, scores.numel() - 1, scores.numel()):
+            want = set(topk_channels(scores, k).tolist())
+            assert _radix_select_model(scores.tolist(), k) == want, (scores[:8], k)
