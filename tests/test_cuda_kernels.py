@@ -239,32 +239,49 @@ def test_mma_kernel_mapping_model_computes_x_times_b():
 
 
 def _radix_select_model(scores: list[int], k: int) -> set[int]:
-    """rac_select of nvfp4_act.cu: radix select over 64-bit keys, 8 bits per pass from the top,
-    early stop when the candidates of the prefix are exactly the ones needed; ties to the lower index."""
+    """select_topk of nvfp4_act.cu: bit length first, then 8-bit digits below the leading one, early
+    stop when the candidates of the prefix are exactly the ones needed; ties to the lower index."""
     prefix, pmask, need, all_ = 0, 0, k, False
-    for sh in range(56, -1, -8):
-        if need <= 0 or all_:
-            break
-        hist = [0] * 256
+    if k > 0:
+        hist = [0] * 65
         for key in scores:
-            if key & pmask == prefix:
-                hist[(key >> sh) & 255] += 1
-        d = 255
-        while d > 0 and hist[d] < need:
-            need -= hist[d]
-            d -= 1
-        all_ = hist[d] == need
-        prefix |= d << sh
-        pmask |= 255 << sh
+            hist[key.bit_length()] += 1
+        length = 64
+        while length > 0 and hist[length] < need:
+            need -= hist[length]
+            length -= 1
+        all_ = hist[length] == need
+        full = (1 << 64) - 1
+        pmask = full if length == 64 else full & ~((1 << length) - 1)
+        if length > 0:
+            pmask |= 1 << (length - 1)
+            prefix = 1 << (length - 1)
+        hi = length - 2
+        while hi >= 0 and not all_ and need > 0:
+            lo = hi - 7 if hi >= 7 else 0
+            width = hi - lo + 1
+            hist = [0] * 256
+            for key in scores:
+                if key & pmask == prefix:
+                    hist[(key >> lo) & ((1 << width) - 1)] += 1
+            d = (1 << width) - 1
+            while d > 0 and hist[d] < need:
+                need -= hist[d]
+                d -= 1
+            all_ = hist[d] == need
+            prefix |= d << lo
+            pmask |= ((1 << width) - 1) << lo
+            hi -= 8
     out, before = set(), 0
-    for j, key in enumerate(scores):
-        km = key & pmask
-        if km > prefix:
-            out.add(j)
-        elif km == prefix:
-            if all_ or before < need:
+    if k > 0:
+        for j, key in enumerate(scores):
+            km = key & pmask
+            if km > prefix:
                 out.add(j)
-            before += 1
+            elif km == prefix:
+                if all_ or before < need:
+                    out.add(j)
+                before += 1
     return out
 
 
@@ -272,8 +289,10 @@ def test_rac_select_model_matches_the_reference_top_k():
     from qpass.quant.rac import topk_channels
 
     gen = torch.Generator().manual_seed(3)
+    logspread = (torch.rand(300, generator=gen, dtype=torch.float64) * 61).exp2().floor().to(torch.int64)
     cases = [torch.randint(0, 2**62, (200,), generator=gen), torch.randint(0, 4, (97,), generator=gen),
-             torch.zeros(64, dtype=torch.int64), (torch.randint(0, 3, (300,), generator=gen) << 40)]
+             torch.zeros(64, dtype=torch.int64), (torch.randint(0, 3, (300,), generator=gen) << 40), logspread,
+             torch.cat([logspread[:100], logspread[:100], torch.zeros(50, dtype=torch.int64)])]
     for scores in cases:
         for k in (0, 1, 5, scores.numel() // 2, scores.numel() - 1, scores.numel()):
             want = set(topk_channels(scores, k).tolist())

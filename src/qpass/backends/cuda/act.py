@@ -20,6 +20,11 @@ from qpass.backends.cuda import runtime
 _X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 THREADS = 256
 SELECT_THREADS = 1024
+# one CTA runs the whole chain (act_fused) up to this many elements / rows / channels: the decode
+# batches; larger batches take the multi-CTA kernels
+FUSED_MAX_ELEMS = 16384
+FUSED_MAX_ROWS = 128
+FUSED_MAX_K = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +57,31 @@ def channel_mask(channels: torch.Tensor, k_dim: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
 
 
+def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site) -> ActOperands:
+    """The one-CTA chain (``act_fused``): same outputs as the multi-CTA kernels."""
+    m, k = x.shape
+    dev = x.device
+    rac = bool(rac_k)
+    n_r = m if per_token else 1
+    bx = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    s_dec_x = torch.empty(n_r, dtype=torch.float32, device=dev)
+    amax_bits = torch.empty(n_r, dtype=torch.int32, device=dev)
+    scores = torch.empty(k, dtype=torch.int64, device=dev) if rac and static_mask is None else None
+    mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev) if rac else None
+    br = torch.empty(m, k, dtype=torch.bfloat16, device=dev) if rac else None
+    s_dec_r = torch.empty(n_r, dtype=torch.float32, device=dev) if rac else None
+    kern = runtime.get_kernel("nvfp4_act", "act_fused", dict(base, RAC=int(rac), THREADS=SELECT_THREADS), dev.index or 0)
+    runtime.launch(kern, (1, 1, 1), (SELECT_THREADS, 1, 1),
+                   [x, m, k, x.stride(0), bx, bx.stride(0), s_dec_x, lim, amax_bits, scores, int(rac_k or 0),
+                    static_mask, mask, br, 0 if br is None else br.stride(0), s_dec_r], "piiipipfppipppip")
+    if check and bool((amax_bits >= 0x7F800000).any()):
+        raise QuantizationError(f"activation at site {site} has NaN or inf values (nvfp4_quantize)")
+    return ActOperands(bx, s_dec_x, br, s_dec_r, mask, amax_bits=amax_bits)
+
+
 def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None = None,
                  static_mask: torch.Tensor | None = None, lim: float | None = None, check: bool = False,
-                 site: str | None = None) -> ActOperands:
+                 site: str | None = None, fused: bool | None = None) -> ActOperands:
     """Quantize ``x [M, K]`` to the W4A4 operands (module docstring).
 
     Args:
@@ -65,6 +92,7 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
             exact scores of ``qpass.quant.rac``.
         lim: the operand saturation bound of the input dtype (``qpass.quant.nvfp4.act_operand_limit``).
         check: raise on NaN/inf input (synchronises with the host).
+        fused: force (True) or forbid (False) the one-CTA kernel; default: by size.
     Raises:
         QuantizationError: a shape the kernels do not take, or (``check``) a non-finite input.
     """
@@ -78,6 +106,9 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     lim = act_operand_limit(x.dtype) if lim is None else lim
     rac = bool(rac_k)
     base = dict(X_KIND=_X_KIND[x.dtype], PER_TOKEN=int(per_token), THREADS=THREADS)
+    small = m * k <= FUSED_MAX_ELEMS and m <= FUSED_MAX_ROWS and k <= FUSED_MAX_K
+    if fused or (fused is None and small):
+        return _fused(x, base, per_token=per_token, rac_k=rac_k, static_mask=static_mask, lim=lim, check=check, site=site)
     blocks = m * (k // 16)
     grid = max(1, min(4 * _sms(dev), -(-blocks // THREADS)))
     p = m if per_token else max(1, min(2 * _sms(dev), -(-blocks // THREADS)))
@@ -91,7 +122,8 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     scores = scratch[: 2 * k].view(torch.int64) if rac and static_mask is None else None
     ramax = scratch[2 * k:] if rac else None
     kq = runtime.get_kernel("nvfp4_act", "act_quant", dict(base, RAC=int(rac)), di)
-    runtime.launch(kq, (grid, 1, 1), (THREADS, 1, 1),
+    qgrid = max(1, min(k // 16, 4 * _sms(dev))) if rac else grid  # RAC: one CTA per 16-channel column block
+    runtime.launch(kq, (qgrid, 1, 1), (THREADS, 1, 1),
                    [x, m, k, x.stride(0), partial, p, bx, bx.stride(0), s_dec_x, lim, scores, ramax], "piiipipipfpp")
     if check:
         bad = bool((partial.view(torch.int32) >= 0x7F800000).any())

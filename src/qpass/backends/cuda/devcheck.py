@@ -111,7 +111,8 @@ def _operand(q) -> torch.Tensor:
     return vals * q.scales.float().repeat_interleave(16, dim=1)
 
 
-def act_check(m: int, k: int, dtype, *, per_token: bool, rac: float | None, gen) -> dict:
+def act_check(m: int, k: int, dtype, *, per_token: bool, rac: float | None, gen, fused: bool | None = None,
+              ties: bool = False) -> dict:
     """act_operands vs the reference quantizer / rac_reference: B_X, S_dec_X, mask, B_R, S_dec_R bit for bit."""
     from qpass.backends.cuda import act
     from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_quantize
@@ -121,10 +122,12 @@ def act_check(m: int, k: int, dtype, *, per_token: bool, rac: float | None, gen)
     scale = torch.exp(torch.randn(k, device=dev, generator=gen))
     x = (torch.randn(m, k, device=dev, generator=gen) * scale).to(dtype)
     x[:, :16] *= 1e-6  # tiny blocks (subnormal scales)
+    if ties:  # few distinct values: many equal channel scores (the tie rule decides)
+        x = (torch.randint(-3, 4, (m, k), device=dev, generator=gen) * 0.37).to(dtype)
     spec = nvfp4_act_spec(per_token)
-    res = {"shape": [m, k], "dtype": str(dtype), "per_token": per_token, "rac": rac}
+    res = {"shape": [m, k], "dtype": str(dtype), "per_token": per_token, "rac": rac, "fused": fused}
     kk = rac_num_channels(k, rac) if rac else 0
-    got = act.act_operands(x, per_token=per_token, rac_k=kk or None, check=True)
+    got = act.act_operands(x, per_token=per_token, rac_k=kk or None, check=True, fused=fused)
     qa = nvfp4_quantize(x, spec=spec)
     res["bx_equal"] = bool(torch.equal(got.bx.float(), _operand(qa)))
     res["s_dec_x_equal"] = bool(torch.equal(got.s_dec_x.view(torch.int32).reshape(-1), qa.s_dec.float().reshape(-1).view(torch.int32)))
@@ -169,8 +172,13 @@ def timings(shapes, ms, budget_s: float) -> list[dict]:
             wbytes = n * k * 2
             row = {"shape": [m, n, k]}
 
-            def t(make, fn, nbytes):
-                return time_fn(make, fn, nbytes)[0]
+            modes = row.setdefault("modes", {})
+
+            def t(make, fn, nbytes, _key=[0]):
+                us, mode = time_fn(make, fn, nbytes)
+                _key[0] += 1
+                modes[str(_key[0])] = mode
+                return us
 
             row["bf16"] = t(lambda i: (x.clone(), w.clone()), torch.nn.functional.linear, wbytes)
             w8 = fp8_quantize(w, "per_tensor")
@@ -249,7 +257,12 @@ def prefill_timings(shapes, m: int, budget_s: float) -> list[dict]:
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         q = nvfp4_quantize(w)
         row = {"shape": [m, n, k]}
-        t = lambda make, fn, nb: time_fn(make, fn, nb, rep_ms=30.0)[0]  # noqa: E731
+        modes = row.setdefault("modes", [])
+
+        def t(make, fn, nb):
+            us, mode = time_fn(make, fn, nb, rep_ms=30.0)
+            modes.append(mode)
+            return us
         row["bf16"] = t(lambda i: (x, w.clone()), torch.nn.functional.linear, n * k * 2)
         w8, x8 = fp8_quantize(w, "per_tensor"), fp8_quantize(x, "per_tensor")
         row["fp8_scaled_mm"] = t(lambda i: (x8.data, w8.data.clone(), x8.scale, w8.scale),
@@ -282,11 +295,77 @@ def prefill_timings(shapes, m: int, budget_s: float) -> list[dict]:
     return rows
 
 
+def e2e(budget_s: float, models: str, batches: tuple[int, ...]) -> list[dict]:
+    """Decode step under CUDA graphs (qpass.backends.triton.bench_e2e) for every recipe, with the CUDA
+    route on and off (Triton kernels) in the same run; ratios against the bf16 recipe of the same model and B."""
+    from qpass.backends.cuda import route
+    from qpass.backends.triton import bench_e2e as be
+    from qpass.ops import use_kernels
+
+    route.install()
+    dev = torch.device("cuda")
+    t_end = time.monotonic() + budget_s
+    rows = []
+    specs = [m for m in be.E2E_MODELS if (models == "all" or models in m.label)]
+    pipes: dict = {}
+    plan = [(spec, b) for b in batches for spec in specs]
+    recipes = (("bf16", False), ("quads_nvfp4", True), ("naive_nvfp4", True), ("w4a16_qat", True), ("fp8_block", False),
+               ("quads_nvfp4", False), ("naive_nvfp4", False), ("w4a16_qat", False))
+    for spec, b in plan:
+        if time.monotonic() > t_end - 40:
+            rows.append({"model": spec.label, "B": b, "skipped": "budget"})
+            continue
+        if spec.label not in pipes:
+            pipes[spec.label] = be.prepare_pipeline(be.build_model(spec, device=dev), batch_size=b, max_len=128, device=dev)
+        pipe = be.with_step_batch(pipes[spec.label], b)
+        base = None
+        for recipe, on in recipes:
+            if time.monotonic() > t_end:
+                rows.append({"model": spec.label, "B": b, "recipe": recipe, "cuda_route": on, "skipped": "budget"})
+                continue
+            route.ENABLED["on"] = on
+            h0 = route.hits()
+            ro = None
+            try:
+                with use_kernels("triton"):
+                    ro = be.rollout_engine(pipe, recipe, kernels="triton", smoke=False)
+                    args = be.decode_inputs(ro, prompt_len=16, vocab_size=spec.config["vocab_size"], device=dev)
+                    meas = be.measure_decode(ro, args, smoke=False)
+                r = {"model": spec.label, "B": b, "recipe": recipe, "cuda_route": on, "step_us": meas.median_us,
+                     "tokens_per_s": b / (meas.median_us * 1e-6), "graph": meas.status,
+                     "replay_equals_eager": meas.equals_eager, "cuda_calls": route.hits() - h0}
+            except Exception as exc:  # noqa: BLE001
+                r = {"model": spec.label, "B": b, "recipe": recipe, "cuda_route": on,
+                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            if recipe == "bf16" and "step_us" in r:
+                base = r["step_us"]
+            if base and "step_us" in r:
+                r["vs_bf16"] = base / r["step_us"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            del ro
+    route.ENABLED["on"] = True
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--e2e-only", action="store_true")
+    ap.add_argument("--with-e2e", type=float, default=0.0, help="seconds for the end-to-end section after the kernels")
+    ap.add_argument("--e2e-models", default="all")
+    ap.add_argument("--e2e-batches", default="1,16,64")
     args = ap.parse_args(argv)
+    if args.e2e_only:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = e2e(args.budget_s, args.e2e_models, tuple(int(b) for b in args.e2e_batches.split(",")))
+        (out / "e2e.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        for r in rows:
+            print(r.get("model", "")[:12], r.get("B"), r.get("recipe"), r.get("cuda_route"),
+                  f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')}" if "step_us" in r else r.get("error", r.get("skipped")))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -318,8 +397,12 @@ def main(argv=None) -> int:
         for dtype in (torch.bfloat16, torch.float16):
             for per_token in (False, True):
                 for rac in (None, 0.5):
-                    acts.append(act_check(m, k, dtype, per_token=per_token, rac=rac, gen=gen))
+                    for fused in ((False, True) if m * k <= 65536 else (False,)):
+                        acts.append(act_check(m, k, dtype, per_token=per_token, rac=rac, gen=gen, fused=fused))
     acts.append(act_check(8, 4096, torch.float32, per_token=False, rac=0.25, gen=gen))
+    for fused in (False, True):
+        acts.append(act_check(4, 1024, torch.bfloat16, per_token=False, rac=0.5, gen=gen, fused=fused, ties=True))
+        acts.append(act_check(1, 576, torch.bfloat16, per_token=True, rac=0.3, gen=gen, fused=fused, ties=True))
     rep["act_checks"] = acts
     for c in acts:
         print(json.dumps(c), flush=True)
@@ -329,6 +412,8 @@ def main(argv=None) -> int:
     rep["prefill"] = prefill_timings([(4096, 4096), (14336, 4096), (4096, 14336)], 4096, 60)
     rep["timings"] = timings([(4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (192, 576), (1536, 576), (576, 1536)],
                              [1, 16], args.budget_s - (time.time() - t0))
+    if args.with_e2e:
+        rep["e2e"] = e2e(args.with_e2e, args.e2e_models, tuple(int(b) for b in args.e2e_batches.split(",")))
     rep["ok"] = all(e["mismatches"] == 0 for e in rep["exhaustive"]) and all(c["ok"] for c in checks) \
         and all(c["ok"] for c in acts)
     rep["wall_s"] = time.time() - t0
@@ -346,6 +431,10 @@ def main(argv=None) -> int:
                      f"{f('act_quant_only')} | {f('act_quant_rac50_only')} | {others} |")
     (out / "devcheck.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    for r in rep.get("e2e", []):
+        print(r.get("model", "")[:12], "B", r.get("B"), r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
+              f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')} {r.get('graph')} eq={r.get('replay_equals_eager')}"
+              if "step_us" in r else r.get("error", r.get("skipped")))
     print("OK" if rep["ok"] else "FAILED", f"{rep['wall_s']:.0f}s")
     return 0 if rep["ok"] else 1
 

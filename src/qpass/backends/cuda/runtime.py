@@ -181,6 +181,6 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, in
         else:
             holders.append(_ARG_TYPES[s](a))
     ptrs = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
-    stream = torch.cuda.current_stream(kernel.device).cuda_stream
+    stream = driver.CUstream(torch.cuda.current_stream(kernel.device).cuda_stream)
     _check(driver.cuLaunchKernel(kernel.function, *grid, *block, shared_bytes, stream, ctypes.addressof(ptrs), 0),
            f"cuLaunchKernel({kernel.name})")

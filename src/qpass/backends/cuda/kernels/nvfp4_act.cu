@@ -121,7 +121,11 @@ DEV u32 e2m1_index(float a) {  // a = |y| <= 6 (qpass.formats.e2m1.e2m1_encode, 
          (u32)(a >= 3.5f) + (u32)(a > 5.0f);
 }
 
-__constant__ float E2M1_VAL[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+// E2M1 magnitude of index i (0..7): 0, 0.5 | 1, 1.5, 2, 3, 4, 6 = 2^(i/2 - 1) (1 + (i & 1)/2) for i >= 2
+DEV float e2m1_mag(u32 i) {
+  const float hi = __uint_as_float(((126u + (i >> 1)) << 23) | ((i & 1u) << 22));
+  return i >= 2u ? hi : 0.5f * (float)i;
+}
 
 // Quantize one block of 16: writes B (float values, exact) and returns s_b; xhat (optional): the full
 // dequant bf16(fl(fl(e2m1 s_b) S_dec)) saturated to +-lim, as float.
@@ -135,7 +139,7 @@ DEV float quant_block(const float* v, const Glob& g, float* b, float* xhat, floa
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float y = fminf(fmaxf(__fmul_rn(v[i], enc), -6.0f), 6.0f);
-    float e = E2M1_VAL[e2m1_index(fabsf(y))];
+    float e = e2m1_mag(e2m1_index(fabsf(y)));
     if (y < 0.0f) e = -e;
     b[i] = __fmul_rn(e, sb);
     if (xhat) {
@@ -248,8 +252,53 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_quant(
   const int shift = score_shift(amax_all, M);
   u32 rmx = 0;
 #endif
+#if RAC
+  // column slabs: a CTA owns whole 16-channel column blocks, so it completes their scores itself (no
+  // atomics on the scores: a fixed per-thread order, then a tree over the CTA, all in integers)
+  __shared__ u64 s_sc[16];
+  for (int c = blockIdx.x; c < nb; c += gridDim.x) {
+    u64 sc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sc[i] = 0ull;
+    for (int m = threadIdx.x; m < M; m += THREADS) {
+#if PER_TOKEN
+      const Glob g = globals(__uint_as_float(partial[m]));
+      if (c == 0) s_dec_out[m] = g.s_dec;
+#endif
+      load16(x + (size_t)m * sx + 16 * c, v);
+      quant_block(v, g, b, xh, lim);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float r = __fsub_rn(v[i], xh[i]);
+        rmx = max(rmx, mag_bits(r));
+        sc[i] += score_term(r, shift);
+      }
+#if PER_TOKEN
+      atomicMax(ramax + m, rmx);
+      rmx = 0;
+#endif
+      store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
+    }
+    if (scores) {
+      if (threadIdx.x < 16) s_sc[threadIdx.x] = 0ull;
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        u64 a = sc[i];
+        for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(0xFFFFFFFFu, a, o);
+        if ((threadIdx.x & 31) == 0 && a) atomicAdd(&s_sc[i], a);
+      }
+      __syncthreads();
+      if (threadIdx.x < 16) scores[16 * c + threadIdx.x] = s_sc[threadIdx.x];
+      __syncthreads();
+    }
+  }
+#if !PER_TOKEN
+  rmx = block_max_u32(rmx, sm);
+  if (threadIdx.x == 0) atomicMax(ramax, rmx);
+#endif
+#else
   const long total = (long)M * nb;
-  // row fastest: the lanes of a warp share a column block when M >= 32 (score atomics coalesce)
   for (long p = (long)blockIdx.x * THREADS + threadIdx.x; p < total; p += (long)gridDim.x * THREADS) {
     const int c = (int)(p / M), m = (int)(p - (long)c * M);
 #if PER_TOKEN
@@ -257,86 +306,93 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_quant(
     if (c == 0) s_dec_out[m] = g.s_dec;
 #endif
     load16(x + (size_t)m * sx + 16 * c, v);
-#if RAC
-    quant_block(v, g, b, xh, lim);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float r = __fsub_rn(v[i], xh[i]);
-      rmx = max(rmx, mag_bits(r));
-      if (scores) atomicAdd(scores + 16 * c + i, score_term(r, shift));
-    }
-#if PER_TOKEN
-    atomicMax(ramax + m, rmx);
-    rmx = 0;
-#endif
-#else
     quant_block(v, g, b, 0, lim);
-#endif
     store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
   }
-#if RAC && !PER_TOKEN
-  rmx = block_max_u32(rmx, sm);
-  if (threadIdx.x == 0) atomicMax(ramax, rmx);
 #endif
 }
 
 // ---------------------------------------------------------------------------------------------
-// rac_select: one CTA of THREADS threads; mask bit j set iff channel j is among the k largest scores
-// (ties toward the lower index). Radix select from the top byte; stops as soon as the candidates of
-// the current prefix are exactly the ones still needed.
-extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __restrict__ scores, int K, int k,
-                                                                u32* __restrict__ mask) {
+// select_topk (one CTA of THREADS threads): mask bit j set iff channel j is among the k largest
+// scores, ties toward the lower index. Radix select: first by bit length (64 bins: the scores span
+// many orders of magnitude, so a plain top-byte pass would put nearly every key in bin 0), then by 8-bit
+// digits below the leading one; it stops as soon as the candidates of the current prefix are exactly
+// the ones still needed. Histogram adds are aggregated per warp (__match_any_sync).
+DEV void hist_add(u32* hist, u32 bin, bool active) {
+  const u32 m = __ballot_sync(0xFFFFFFFFu, active);
+  if (!active) return;
+  const u32 peers = __match_any_sync(m, bin);
+  if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
+}
+
+DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restrict__ mask) {
   __shared__ u32 hist[256];
   __shared__ u64 s_prefix, s_pmask;
-  __shared__ int s_need, s_all;
+  __shared__ int s_need, s_all, s_top;
   __shared__ int s_cnt[THREADS / 32];
+  for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask[i] = 0u;
+  for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
   if (threadIdx.x == 0) {
     s_prefix = 0;
     s_pmask = 0;
     s_need = k;
     s_all = 0;
+    s_top = -1;
   }
-  for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask[i] = 0u;
   __syncthreads();
-  for (int sh = 56; sh >= 0; sh -= 8) {
-    for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
-    __syncthreads();
-    const u64 pf = s_prefix, pm = s_pmask;
-    if (s_need <= 0 || s_all) break;
-    for (int j = threadIdx.x; j < K; j += THREADS) {
-      const u64 key = __ldcg(scores + j);
-      if ((key & pm) == pf) atomicAdd(&hist[(key >> sh) & 255u], 1u);
+  if (k > 0) {
+    // stage 1: bit length
+    for (int base = 0; base < K; base += THREADS) {
+      const int j = base + threadIdx.x;
+      const u64 key = j < K ? __ldcg(scores + j) : 0ull;
+      hist_add(hist, (u32)(64 - __clzll((long long)key)), j < K);
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-      // lane l owns bins 8l..8l+7; find the bin holding the need-th largest key, counting from bin 255
-      const int l = threadIdx.x;
-      u32 loc[8];
-      u32 sum = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) { loc[i] = hist[8 * l + i]; sum += loc[i]; }
-      u32 above;  // keys in the bins of higher lanes
-      // suffix sum (inclusive) over lanes l..31, then exclusive = inclusive - own
-      u32 suf = sum;
-      for (int o = 1; o < 32; o <<= 1) {
-        const u32 v = __shfl_down_sync(0xFFFFFFFFu, suf, o);
-        if (l + o < 32) suf += v;
+    if (threadIdx.x == 0) {
+      int need = k, L = 64;
+      for (; L > 0; --L) {
+        if ((int)hist[L] >= need) break;
+        need -= (int)hist[L];
       }
-      above = suf - sum;
-      const int need = s_need;
-      if ((int)above < need && need <= (int)(above + sum)) {
-        int nd = need - (int)above, d = 8 * l + 7;
-        for (int i = 7; i > 0; --i, --d) {
-          if ((int)loc[i] >= nd) break;
-          nd -= (int)loc[i];
+      s_all = ((int)hist[L] == need);
+      s_need = need;
+      s_top = L - 1;  // the candidates' leading-one position (-1: the candidates are 0)
+      s_pmask = L == 64 ? ~0ull : ~((1ull << L) - 1ull);  // bits above the leading one must be zero...
+      s_prefix = 0;
+      if (L > 0) {  // ... and the leading one set
+        s_pmask |= 1ull << (L - 1);
+        s_prefix = 1ull << (L - 1);
+      }
+    }
+    __syncthreads();
+    // stage 2: 8-bit digits below the leading one
+    for (int hi = s_top - 1; hi >= 0; hi -= 8) {
+      if (s_all || s_need <= 0) break;
+      const int lo = hi >= 7 ? hi - 7 : 0;
+      const int width = hi - lo + 1;
+      for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
+      __syncthreads();
+      const u64 pf = s_prefix, pm = s_pmask;
+      for (int base = 0; base < K; base += THREADS) {
+        const int j = base + threadIdx.x;
+        const u64 key = j < K ? __ldcg(scores + j) : 0ull;
+        const bool cand = j < K && (key & pm) == pf;
+        hist_add(hist, (u32)((key >> lo) & ((1ull << width) - 1ull)), cand);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int need = s_need, d = (1 << width) - 1;
+        for (; d > 0; --d) {
+          if ((int)hist[d] >= need) break;
+          need -= (int)hist[d];
         }
-        s_all = ((int)hist[d] == nd);
-        s_need = nd;
-        s_prefix = pf | ((u64)d << sh);
-        s_pmask = pm | ((u64)255 << sh);
+        s_all = ((int)hist[d] == need);
+        s_need = need;
+        s_prefix = pf | ((u64)d << lo);
+        s_pmask = pm | ((((1ull << width) - 1ull)) << lo);
       }
+      __syncthreads();
     }
-    __syncthreads();
   }
   __syncthreads();
   const u64 pf = s_prefix, pm = s_pmask;
@@ -345,8 +401,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __re
   const int per = (K + THREADS - 1) / THREADS;
   const int j0 = threadIdx.x * per, j1 = min(K, j0 + per);
   int ties = 0;
-  for (int j = j0; j < j1; ++j) ties += ((__ldcg(scores + j) & pm) == pf);
-  // exclusive block scan of the tie counts (warp shuffles, then the warp totals)
+  if (k > 0)
+    for (int j = j0; j < j1; ++j) ties += ((__ldcg(scores + j) & pm) == pf);
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   int inc = ties;
   for (int o = 1; o < 32; o <<= 1) {
@@ -357,15 +413,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __re
   __syncthreads();
   int before = inc - ties;
   for (int i = 0; i < wid; ++i) before += s_cnt[i];
-  for (int j = j0; j < j1; ++j) {
-    const u64 key = __ldcg(scores + j), km = key & pm;
-    bool sel = km > pf;
-    if (km == pf) {
-      sel = all || before < need;
-      ++before;
+  if (k > 0)
+    for (int j = j0; j < j1; ++j) {
+      const u64 key = __ldcg(scores + j), km = key & pm;
+      bool sel = km > pf;
+      if (km == pf) {
+        sel = all || before < need;
+        ++before;
+      }
+      if (sel) atomicOr(mask + (j >> 5), 1u << (j & 31));
     }
-    if (sel) atomicOr(mask + (j >> 5), 1u << (j & 31));
-  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __restrict__ scores, int K, int k,
+                                                                u32* __restrict__ mask) {
+  select_topk(scores, K, k, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
@@ -399,4 +462,136 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
       if (!((mw >> i) & 1u)) b[i] = 0.0f;
     store16_bf16(br + (size_t)m * sbr + 16 * c, b);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// act_fused: the whole chain (amax, B_X, and with RAC the scores, the top-k and B_R) in ONE CTA, for
+// the small forward batches of decode (M <= FUSED_MAX_ROWS, M*K small): one launch instead of four,
+// the same arithmetic as act_amax + act_quant (+ rac_select + rac_residual).
+#ifndef FUSED_MAX_ROWS
+#define FUSED_MAX_ROWS 128
+#endif
+#ifndef FUSED_MAX_K
+#define FUSED_MAX_K 16384
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
+    const xt* __restrict__ x, int M, int K, int sx, u16* __restrict__ bx, int sbx, float* __restrict__ s_dec_out,
+    float lim, u32* __restrict__ amax_bits_out, u64* __restrict__ scores, int rac_k,
+    const u32* __restrict__ static_mask, u32* __restrict__ mask_out, u16* __restrict__ br, int sbr,
+    float* __restrict__ s_dec_r_out) {
+  __shared__ u32 sm[THREADS / 32];
+  __shared__ u32 s_amax[FUSED_MAX_ROWS];
+  __shared__ u32 s_ramax[FUSED_MAX_ROWS];
+  __shared__ u32 s_mask[FUSED_MAX_K / 32];
+  const int nb = K >> 4;
+  const long total = (long)M * nb;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  float v[16], b[16], xh[16];
+  for (int i = threadIdx.x; i < FUSED_MAX_ROWS; i += THREADS) s_ramax[i] = 0u;
+  if (RAC && scores && !static_mask)
+    for (int i = threadIdx.x; i < K; i += THREADS) scores[i] = 0ull;
+  // phase 1: amax
+#if PER_TOKEN
+  for (int m = wid; m < M; m += THREADS / 32) {
+    u32 mx = 0;
+    for (int c = lane; c < nb; c += 32) {
+      load16(x + (size_t)m * sx + 16 * c, v);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mx = max(mx, mag_bits(v[i]));
+    }
+    for (int o = 16; o; o >>= 1) mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    if (lane == 0) {
+      s_amax[m] = mx;
+      amax_bits_out[m] = mx;
+    }
+  }
+  __syncthreads();
+#if RAC
+  u32 all = 0;
+  for (int m = threadIdx.x; m < M; m += THREADS) all = max(all, s_amax[m]);
+  const float amax_all = __uint_as_float(block_max_u32(all, sm));
+#endif
+#else
+  u32 mx = 0;
+  for (long p = threadIdx.x; p < total; p += THREADS) {
+    const int m = (int)(p / nb), c = (int)(p - (long)m * nb);
+    load16(x + (size_t)m * sx + 16 * c, v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) mx = max(mx, mag_bits(v[i]));
+  }
+  mx = block_max_u32(mx, sm);
+  if (threadIdx.x == 0) amax_bits_out[0] = mx;
+  const float amax = __uint_as_float(mx);
+  const Glob g = globals(amax);
+  if (threadIdx.x == 0) s_dec_out[0] = g.s_dec;
+#if RAC
+  const float amax_all = amax;
+#endif
+#endif
+  __syncthreads();
+  // phase 2: B_X (and the residual statistics)
+#if RAC
+  const int shift = score_shift(amax_all, M);
+  const bool want_scores = scores && !static_mask;
+#endif
+  for (long p = threadIdx.x; p < total; p += THREADS) {
+    const int c = (int)(p / M), m = (int)(p - (long)c * M);
+#if PER_TOKEN
+    const Glob g = globals(__uint_as_float(s_amax[m]));
+    if (c == 0) s_dec_out[m] = g.s_dec;
+#endif
+    load16(x + (size_t)m * sx + 16 * c, v);
+#if RAC
+    quant_block(v, g, b, xh, lim);
+    u32 rmx = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float r = __fsub_rn(v[i], xh[i]);
+      rmx = max(rmx, mag_bits(r));
+      if (want_scores) atomicAdd(scores + 16 * c + i, score_term(r, shift));
+    }
+    atomicMax(&s_ramax[PER_TOKEN ? m : 0], rmx);
+#else
+    quant_block(v, g, b, 0, lim);
+#endif
+    store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
+  }
+#if RAC
+  __threadfence();
+  __syncthreads();
+  // phase 3: the channels
+  if (static_mask) {
+    for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) s_mask[i] = static_mask[i];
+    __syncthreads();
+  } else {
+    select_topk(scores, K, rac_k, s_mask);
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask_out[i] = s_mask[i];
+  // phase 4: B_R = M_S ⊙ (e2m1_R · s_b,R)
+#if !PER_TOKEN
+  const Glob gr = globals(__uint_as_float(s_ramax[0]));
+  if (threadIdx.x == 0) s_dec_r_out[0] = gr.s_dec;
+#endif
+  float r[16];
+  for (long p = threadIdx.x; p < total; p += THREADS) {
+    const int c = (int)(p / M), m = (int)(p - (long)c * M);
+#if PER_TOKEN
+    const Glob g = globals(__uint_as_float(s_amax[m]));
+    const Glob gr = globals(__uint_as_float(s_ramax[m]));
+    if (c == 0) s_dec_r_out[m] = gr.s_dec;
+#endif
+    load16(x + (size_t)m * sx + 16 * c, v);
+    quant_block(v, g, b, xh, lim);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = __fsub_rn(v[i], xh[i]);
+    quant_block(r, gr, b, 0, lim);
+    const u32 mw = s_mask[(16 * c) >> 5] >> ((16 * c) & 31);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (!((mw >> i) & 1u)) b[i] = 0.0f;
+    store16_bf16(br + (size_t)m * sbr + 16 * c, b);
+  }
+#endif
 }
