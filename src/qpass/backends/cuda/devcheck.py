@@ -348,12 +348,61 @@ def e2e(budget_s: float, models: str, batches: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+def rollout_phase(budget_s: float, batch: int = 64, new_tokens: int = 64, prompt_len: int = 16) -> list[dict]:
+    """The GRPO sample phase: ``TorchRollout.generate`` of ``batch`` prompts x ``new_tokens`` sampled
+    tokens (temperature 1, the engine's decode step under CUDA graphs) on the SmolLM2-135M architecture
+    with random weights, per recipe and route; wall clock of the second generate (the first captures)."""
+    from qpass.backends.cuda import route
+    from qpass.backends.triton import bench_e2e as be
+    from qpass.ops import use_kernels
+
+    route.install()
+    dev = torch.device("cuda")
+    t_end = time.monotonic() + budget_s
+    spec = be.SMOLLM2_135M
+    pipe = be.prepare_pipeline(be.build_model(spec, device=dev), batch_size=batch, max_len=prompt_len + new_tokens + 8,
+                               device=dev)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, spec.config["vocab_size"], (batch, prompt_len), generator=gen).tolist()
+    rows, base = [], None
+    for recipe, on in (("bf16", False), ("quads_nvfp4", True), ("fp8_block", False), ("naive_nvfp4", True),
+                       ("w4a16_qat", True), ("quads_nvfp4", False)):
+        if time.monotonic() > t_end:
+            rows.append({"recipe": recipe, "cuda_route": on, "skipped": "budget"})
+            continue
+        route.ENABLED["on"] = on
+        try:
+            with use_kernels("triton"):
+                ro = be.rollout_engine(pipe, recipe, kernels="triton", smoke=False)
+                ro.generate(prompts, max_new_tokens=new_tokens, seed=0)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = ro.generate(prompts, max_new_tokens=new_tokens, seed=1)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            ntok = int(out.response_mask.sum())  # valid sampled tokens (EOS stops a row)
+            r = {"recipe": recipe, "cuda_route": on, "generate_s": dt, "tokens": ntok, "tokens_per_s": ntok / dt,
+                 "decode_graph": ro.decode.status}
+            del ro
+        except Exception as exc:  # noqa: BLE001
+            r = {"recipe": recipe, "cuda_route": on, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        if recipe == "bf16" and "tokens_per_s" in r:
+            base = r["tokens_per_s"]
+        if base and "tokens_per_s" in r:
+            r["vs_bf16"] = r["tokens_per_s"] / base
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    route.ENABLED["on"] = True
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--e2e-only", action="store_true")
     ap.add_argument("--with-e2e", type=float, default=0.0, help="seconds for the end-to-end section after the kernels")
+    ap.add_argument("--with-rollout", type=float, default=0.0, help="seconds for the GRPO sample-phase section")
     ap.add_argument("--e2e-models", default="all")
     ap.add_argument("--e2e-batches", default="1,16,64")
     args = ap.parse_args(argv)
@@ -412,6 +461,8 @@ def main(argv=None) -> int:
     rep["prefill"] = prefill_timings([(4096, 4096), (14336, 4096), (4096, 14336)], 4096, 60)
     rep["timings"] = timings([(4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (192, 576), (1536, 576), (576, 1536)],
                              [1, 16], args.budget_s - (time.time() - t0))
+    if args.with_rollout:
+        rep["rollout_phase"] = rollout_phase(args.with_rollout)
     if args.with_e2e:
         rep["e2e"] = e2e(args.with_e2e, args.e2e_models, tuple(int(b) for b in args.e2e_batches.split(",")))
     rep["ok"] = all(e["mismatches"] == 0 for e in rep["exhaustive"]) and all(c["ok"] for c in checks) \
@@ -431,6 +482,10 @@ def main(argv=None) -> int:
                      f"{f('act_quant_only')} | {f('act_quant_rac50_only')} | {others} |")
     (out / "devcheck.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    for r in rep.get("rollout_phase", []):
+        print("rollout", r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
+              f"{r['tokens_per_s']:.0f} tok/s {r.get('vs_bf16', 0):.2f}x {r.get('decode_graph')}" if "tokens_per_s" in r
+              else r.get("error", r.get("skipped")))
     for r in rep.get("e2e", []):
         print(r.get("model", "")[:12], "B", r.get("B"), r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
               f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')} {r.get('graph')} eq={r.get('replay_equals_eager')}"

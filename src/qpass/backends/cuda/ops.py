@@ -27,6 +27,31 @@ from qpass.backends.cuda import prefill as cp
 from qpass.backends.cuda import runtime
 
 _MASKS: dict[int, tuple] = {}
+# The last activation quantized, for sibling linears of one input (q/k/v, gate/up): the graph hands them
+# the very same tensor object, so the operands are computed once (a common-subexpression elimination at
+# run time; the key holds the object's identity, in-place version, layout and the quantizer options).
+_LAST: dict[str, tuple] = {}
+
+
+def _act_key(x: torch.Tensor, call) -> tuple:
+    rac = call.rac
+    ch = call.rac_channels
+    return (x.data_ptr(), x._version, tuple(x.shape), tuple(x.stride()), x.dtype, call.per_token, call.rac_k,
+            None if rac is None else (rac.mode, rac.selection),
+            None if ch is None else (ch.data_ptr(), ch._version))
+
+
+def _act_operands_once(x: torch.Tensor, call, mask, check: bool) -> "ca.ActOperands":
+    """``act_operands`` of the rows ``x`` of ``call.x``, reused when the previous call had the same
+    ``call.x`` object (same version, layout and options)."""
+    key = _act_key(call.x, call)
+    hit = _LAST.get("act")
+    if hit is not None and hit[0] == key and hit[1]() is call.x:
+        return hit[2]
+    ops = ca.act_operands(x, per_token=call.per_token, rac_k=call.rac_k or None, static_mask=mask, check=check,
+                          site=call.site)
+    _LAST["act"] = (key, weakref.ref(call.x), ops)
+    return ops
 
 
 def _static_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,8 +95,7 @@ def nvfp4_linear(call) -> torch.Tensor | None:
         a, s_dec_x, br, s_dec_r = x2, None, None, None
     else:
         mask = _static_mask(call.rac_channels, k) if call.rac is not None and call.rac.selection == "static" else None
-        ops = ca.act_operands(x2, per_token=call.per_token, rac_k=call.rac_k or None, static_mask=mask,
-                              check=sync_checks_enabled(x2.device), site=call.site)
+        ops = _act_operands_once(x2, call, mask, sync_checks_enabled(x2.device))
         a, s_dec_x, br, s_dec_r = ops.bx, ops.s_dec_x, ops.br, ops.s_dec_r
         if x2.dtype != torch.bfloat16:  # B_X is bf16 whatever the input dtype (exact)
             pass
