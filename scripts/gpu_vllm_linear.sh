@@ -32,7 +32,7 @@ from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4_WEIGHT
 from qpass.ops import use_kernels
 from qpass.quant.nvfp4 import nvfp4_quantize
-from qpass.quant.rac import RACConfig, rac_num_channels
+from qpass.quant.rac import RACConfig
 
 assert torch.cuda.is_available(), "needs CUDA"
 TRITON.register()
@@ -58,7 +58,7 @@ for act, rac in CASES:
     rec = {"case": name}
     try:
         cpu, gpu = layer(N, K, 3, "cpu"), layer(N, K, 3, "cuda")
-        ch = torch.arange(rac_num_channels(K, rac.ratio), dtype=torch.int64) * 2 if rac is not None and rac.selection == "static" else None
+        ch = torch.arange(rac.num_channels(K), dtype=torch.int64) * 2 if rac is not None and rac.selection == "static" else None
         if ch is not None:
             cpu.rac_channels, gpu.rac_channels = ch, ch.cuda()
         finish_loading(cpu, name, persistent=True, decode_cache=True)   # what the plugin does on CPU

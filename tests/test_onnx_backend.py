@@ -294,7 +294,9 @@ def test_rollout_site_export_matches_rollout_ops(tiny_pipeline, recipe):
 
 def test_gathered_batch_and_static_rac_site_match_reference():
     """RAC variants not covered by the recipe test: gathered/batch and masked/static on one site."""
-    from qpass.ops import _nvfp4_linear_ref
+    from qpass.formats.spec import NVFP4_ACT
+    from qpass.ops import NVFP4_LINEAR
+    from qpass.ops.linear import nvfp4_linear_ref
 
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(48, 96, generator=g) * 0.05).bfloat16()
@@ -307,8 +309,9 @@ def test_gathered_batch_and_static_rac_site_match_reference():
 
     cases = [(RACConfig(0.3, "gathered", "batch"), None), (RACConfig(0.25, "masked", "static"), static), (RACConfig(0.25, "gathered", "static"), static)]
     for rac, ch in cases:
-        s = SiteLinear("blk.proj", NVFP4_WEIGHT, q, bias, "nvfp4", rac, ch)
-        ref = _nvfp4_linear_ref(x, q.codes, q.scales, q.s_dec, bias, "blk.proj", "nvfp4", rac.ratio, rac.mode, rac.selection, ch)
+        s = SiteLinear("blk.proj", NVFP4_WEIGHT, q, bias, NVFP4_ACT, rac, ch)
+        ref = nvfp4_linear_ref(NVFP4_LINEAR.make_call(x, q.codes, q.scales, q.s_dec, bias, "blk.proj", "nvfp4", rac.ratio,
+                                                      rac.mode, rac.selection, ch))
         for flavour, runtime in RUNS:
             if runtime == "onnxruntime" and not HAVE_ORT:
                 continue
@@ -384,8 +387,9 @@ def test_export_dispatches_on_the_onnx_table_by_spec_type(tiny_pipeline, tmp_pat
 def test_fp16_site_export_saturates_the_activation_operand_like_the_rollout_op():
     """An fp16 model's W4A4 site at the fp16 max: the ONNX operand is bounded like ``nvfp4_act_operand``
     (65280, not 65536), so the exported y equals ``qpass::nvfp4_linear`` bit for bit and is finite."""
-    from qpass.formats.spec import NVFP4_WEIGHT
-    from qpass.ops import _nvfp4_linear_ref
+    from qpass.formats.spec import NVFP4_ACT, NVFP4_WEIGHT
+    from qpass.ops import NVFP4_LINEAR
+    from qpass.ops.linear import nvfp4_linear_ref
     from qpass.quant.rac import RACConfig
 
     x = torch.zeros(2, 32, dtype=torch.float16)
@@ -394,8 +398,9 @@ def test_fp16_site_export_saturates_the_activation_operand_like_the_rollout_op()
     w[0, 0] = 1.0
     q = nvfp4_quantize(w.bfloat16())
     for rac in (None, RACConfig(0.5, "masked", "batch")):
-        s = SiteLinear("p", NVFP4_WEIGHT, q, None, "nvfp4", rac)
-        ref = _nvfp4_linear_ref(x, q.codes, q.scales, q.s_dec, None, "p", "nvfp4", rac.ratio if rac else 0.0, "masked", "batch", None)
+        s = SiteLinear("p", NVFP4_WEIGHT, q, None, NVFP4_ACT, rac)
+        ref = nvfp4_linear_ref(NVFP4_LINEAR.make_call(x, q.codes, q.scales, q.s_dec, None, "p", "nvfp4", rac.ratio if rac else 0.0,
+                                                      "masked", "batch", None))
         model, _ = rollout_sites_model([s], flavour="spec", dtype=torch.float16)
         got = run_onnx(model, {"p.x": x})["p.y"]
         assert got.dtype == torch.float16 and torch.equal(got, ref), rac

@@ -15,7 +15,8 @@ import torch
 
 from qpass.errors import NoMatchError, PassError, PostconditionError, PreconditionError, RecipeError, VerificationError
 from qpass.graph.verify import verify
-from qpass.ops import _nvfp4_linear_ref
+from qpass.ops import NVFP4_LINEAR, FP8LinearCall
+from qpass.ops.linear import nvfp4_linear_ref
 from qpass.pm import Pass, PassContext, PassManager, PassResult
 from qpass.quant.groups import group_amax
 from qpass.quant.linear import fp8_linear_reference
@@ -118,7 +119,7 @@ def test_nvfp4_lowered_nodes_compute_reference_semantics(tiny_pipeline, recipe):
     base = tiny_pipeline.base_step
     for node, args, out in rec.seen:
         sid = args[5]
-        assert torch.equal(out, _nvfp4_linear_ref(*args))  # the node computes the reference op on its real input
+        assert torch.equal(out, nvfp4_linear_ref(NVFP4_LINEAR.make_call(*args)))  # the node computes the reference op on its real input
         members = rollout.quant[sid].members
         amax = group_amax([base.attr(base.sites[m].weight) for m in members])
         q = nvfp4_quantize(base.attr(base.sites[sid].weight), amax)
@@ -145,7 +146,9 @@ def test_fp8_lower_nodes_compute_reference(tiny_pipeline):
 
     for _, a, out in rec.seen:
         w = FP8Tensor(a[1], a[2], a[1].shape, torch.bfloat16, FP8Spec(role="weight", granularity=Granularity.BLOCK_128X128))
-        assert torch.equal(out, fp8_linear_reference(a[0], w, a[3], act_spec=FP8Spec(role="activation", granularity=Granularity.BLOCK_1X128)))
+        call = FP8LinearCall(x=a[0], weight=w, bias=a[3], act=FP8Spec(role="activation", granularity=Granularity.BLOCK_1X128),
+                             site=a[4], out_dtype=a[0].dtype)
+        assert torch.equal(out, fp8_linear_reference(call))
 
 
 def test_static_rac_calibration(tiny_pipeline):

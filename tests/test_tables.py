@@ -75,14 +75,21 @@ def test_rollout_lowering_entries_are_consistent():
         lo = entry("rollout_lower", s)
         assert lo.lower_pass and lo.op.startswith("qpass::")
         op_schema = {a.name for a in lo.op_overload()._schema.arguments}
-        assert set(lo.constant_args.values()) <= op_schema and set(lo.defaults) <= op_schema
+        assert tuple(a.name for a in lo.op_overload()._schema.arguments) == lo.schema.arg_names  # declared once
+        assert set(lo.constant_args.values()) <= op_schema
         if s.role == "weight":
             sw = quantize_site_weights(s, {"site": w})["site"]
             assert set(lo.constant_args) <= set(sw.constants)
             assert all(isinstance(v, torch.Tensor) for v in sw.constants.values())
             assert kernel(lo.op, s, "reference") is not None
-        else:
-            assert lo.act_arg in op_schema and isinstance(lo.act_setting(s)[lo.act_arg], str)
+            act = next((a for a in ALL_SPECS if a.role == "activation" and type(a) is type(s)), None)
+            options = lo.option_args(s, act, "site")
+            # a lowered node's arguments = constants + options + x/bias/site, nothing missing, nothing extra
+            assert set(options) | set(lo.constant_args.values()) | {"x", "bias", "site"} == op_schema
+        else:  # the activation spec becomes string options of the op of its type's weight
+            wspec = next(w for w in ALL_SPECS if w.role == "weight" and type(w) is type(s))
+            opts = lo.option_args(wspec, s, "site")
+            assert opts and all(isinstance(v, str) for k, v in opts.items() if k in ("act", "act_granularity"))
     nv = quantize_site_weights(NVFP4_WEIGHT, {"s": w})["s"].constants
     ref = reference_quantize(NVFP4_WEIGHT, w)
     assert torch.equal(nv["codes"], ref.codes) and torch.equal(nv["s_dec"], ref.s_dec)
@@ -104,7 +111,7 @@ def test_mxfp4_with_a_backend_without_its_kernel_fails_at_build(tiny_pipeline):
     """No silent fallback: a backend that has kernels but not mxfp4_linear is rejected by Pipeline.build."""
     from qpass import ops
 
-    fake = ops.register_kernel("qpass::nvfp4_linear", "fakegpu", NVFP4Spec)(lambda *a: None)
+    fake = ops.register_kernel(ops.NVFP4_LINEAR, "fakegpu")(lambda call: None)
     try:
         recipe = parse_recipe("name: m\nrollout:\n  - pass: mxfp4_lower\n")
         with pytest.raises(KernelMissingError, match=r"site model\.layers\.\d+\..*no 'fakegpu' kernel for qpass::mxfp4_linear"):
@@ -131,7 +138,8 @@ def test_unregistered_kernel_backend_is_refused():
 
 def test_mxfp4_lowered_rollout_matches_reference(tiny_pipeline):
     from qpass.graph.opargs import op_args
-    from qpass.ops import _mxfp4_linear_ref
+    from qpass.ops import MXFP4_LINEAR
+    from qpass.ops.linear import mxfp4_linear_ref
 
     _, rollout = tiny_pipeline.build(parse_recipe("name: m\nrollout:\n  - pass: mxfp4_lower\n"))
     nodes = rollout.call_nodes(torch.ops.qpass.mxfp4_linear.default)
@@ -141,7 +149,7 @@ def test_mxfp4_lowered_rollout_matches_reference(tiny_pipeline):
     a = op_args(n)
     codes, scales = (rollout.gm.get_buffer(str(a[k].target)) for k in ("w_codes", "w_scales"))
     out = torch.ops.qpass.mxfp4_linear(x, codes, scales, None, a["site"])
-    assert torch.equal(out, _mxfp4_linear_ref(x, codes, scales, None, a["site"]))
+    assert torch.equal(out, mxfp4_linear_ref(MXFP4_LINEAR.make_call(x, codes, scales, None, a["site"])))
 
 
 def test_triton_quantizers_live_in_the_one_kernel_table():

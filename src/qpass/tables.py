@@ -5,18 +5,19 @@ A rule is registered right next to its implementation with :func:`register`::
     @register("reference", NVFP4Spec)            # in qpass/quant/nvfp4.py
     def _nvfp4_reference(spec, x, *, amax=None, site=None, name=None): ...
 
-    @register("kernels", NVFP4Spec, op="qpass::nvfp4_linear", backend="triton")   # in a backend
-    def nvfp4_linear_triton(x, w_codes, ...): ...
+    @register_kernel(NVFP4_LINEAR, "triton")      # in a backend (qpass.ops.schema.register_kernel)
+    def nvfp4_linear_triton_op(call: NVFP4LinearCall) -> Tensor: ...
 
 Tables (the API other modules use; keep it this small):
 
 * ``reference``: ``fn(spec, x, *, amax=None, site=None, name=None) -> quantized tensor`` (the
   plain-torch quantizer; ``amax`` is the group amax for specs with ``has_global_scale``).
 * ``learner_qdq``: :class:`LearnerQDQ` (the learner fake-quant op and how to call it).
-* ``rollout_lower``: :class:`qpass.ops.RolloutLowering` for weight specs (op, weight constants,
-  op-argument builder) and :class:`ActArg` for activation specs (the op argument value).
-* ``kernels``: ``fn(*op_args)`` keyed by ``(op, spec type, backend)``; the ``reference`` backend
-  lives in :mod:`qpass.ops`, other backends register when their module is imported. Op
+* ``rollout_lower``: :class:`qpass.ops.RolloutLowering` per spec type (the op's schema, its weight
+  constants; the op's typed call class turns weight/activation specs into its option arguments).
+* ``kernels``: ``fn(call)`` (the op's typed call, :mod:`qpass.ops.calls`) keyed by ``(op, spec type,
+  backend)`` = the op schema's key; the ``reference`` backend lives in :mod:`qpass.ops.linear`, other
+  backends register when their module is imported. Op
   :data:`QUANTIZE_OP` holds a backend's quantizers (``fn(spec, x, ...)``, byte-identical to ``reference``).
 * ``onnx``: the ONNX emitter per spec type (registered by ``qpass.backends.onnx``).
 * ``export``: :class:`qpass.quant.checkpoint.ExportFormat` (checkpoint tensor names of a quantized
@@ -83,15 +84,6 @@ class LearnerQDQ:
 
     def __call__(self, spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
         return self.fn(spec, x, amax, site)
-
-
-@dataclasses.dataclass(frozen=True)
-class ActArg:
-    """How a rollout op selects an activation spec: ``op``'s argument ``arg`` = ``value(spec)``."""
-
-    op: str
-    arg: str
-    value: Callable[[QuantSpec], str]
 
 
 def register(table: str, spec_type: type, *, op: str | None = None, backend: str | None = None,

@@ -217,7 +217,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
     from qpass.diagnostics.layerwise import residual_channel_map
     from qpass.formats.spec import NVFP4_ACT
     from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_quantize
-    from qpass.quant.rac import channel_scores, rac_num_channels, topk_channels
+    from qpass.quant.rac import channel_scores, topk_channels
     from qpass.apps.report import plot_activation_mismatch, plot_gap_histogram, plot_residual_heatmap
 
     plots: dict[str, str] = {}
@@ -238,7 +238,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
         ch = None
         rac = rollout.quant[site].rac
         if rac:
-            ch = topk_channels(channel_scores(resid, x.abs().max().float()), rac_num_channels(x.shape[-1], rac.ratio))
+            ch = topk_channels(channel_scores(resid, x.abs().max().float()), rac.num_channels(x.shape[-1]))
         diag["residual_site"] = site
         diag["residual_channel_l2_top8"] = torch.topk(residual_channel_map(x).l2, 8).indices.tolist()
     plot_activation_mismatch(rel, tmp / "activation_mismatch.png", f"{recipe.name}: per-site input mismatch (rollout prefill vs learner)")

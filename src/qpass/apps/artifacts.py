@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from qpass.atomic import atomic_dir
 from qpass.jsonio import write_json
 from qpass.errors import QpassError
+from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4Spec
 from qpass.graph.capture import site_of
 from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
@@ -70,9 +71,9 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
         # would make the file's bytes differ between identical runs (the recipe is in recipe.yaml)
         save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout"})
         files["weights"] = "weights.safetensors"
-    nvfp4 = [s for s, r in rollout.quant.items() if r.kind == "nvfp4_linear"]
-    fp8 = [s for s, r in rollout.quant.items() if r.kind == "fp8_linear"]
-    mx = [s for s, r in rollout.quant.items() if r.kind == "mxfp4_linear"]
+    nvfp4 = [s for s, r in rollout.quant.items() if r.lowered_as(NVFP4Spec)]
+    fp8 = [s for s, r in rollout.quant.items() if r.lowered_as(FP8Spec)]
+    mx = [s for s, r in rollout.quant.items() if r.lowered_as(MXFP4Spec)]
     quantized = set(nvfp4) | set(fp8) | set(mx)
     w4a4 = [s for s in nvfp4 if rollout.quant[s].act_spec is not None]
     algo = ("NVFP4" if w4a4 else "W4A16_NVFP4") if nvfp4 else ("FP8_BLOCK" if fp8 else ("MXFP4" if mx else None))
@@ -96,7 +97,7 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     }
     # activation-only sites (the act_qdq pass, W16A4): weight unquantized, input NVFP4-QDQ'd; `qpass export DIR`
     # writes them as a qpass_weight "none" checkpoint. Only present when there are some (files of other recipes unchanged).
-    act_only = sorted(s for s, r in rollout.quant.items() if r.kind == "act_qdq" and s not in quantized)
+    act_only = sorted(s for s, r in rollout.quant.items() if r.activation_only and s not in quantized)
     if act_only:
         cfg["quantization"]["act_only_sites"] = {s: {"act_spec": rollout.quant[s].act_spec.key, "group": rollout.quant[s].group}
                                                  for s in act_only}

@@ -17,6 +17,7 @@ from qpass import __version__
 from qpass.apps.artifacts import file_checksums, write_json
 from qpass.apps.options import ApplyOptions
 from qpass.apps.parity_checks import CheckResult
+from qpass.formats.spec import FP8Spec, NVFP4Spec
 from qpass.graph.qgraph import QGraph
 from qpass.recipe import Recipe
 
@@ -155,10 +156,10 @@ def site_counts(learner: QGraph, rollout: QGraph) -> dict[str, Any]:
         "total": len(rollout.sites),
         "learner_qdq": sum(1 for r in learner.quant.values() if r.weight_fake_quant),
         "learner_act_qdq": sum(1 for r in learner.quant.values() if r.act_spec is not None),
-        "rollout_w4a4": sum(1 for r in rq if r.kind == "nvfp4_linear" and r.act_spec is not None),
-        "rollout_w4a16": sum(1 for r in rq if r.kind == "nvfp4_linear" and r.act_spec is None),
-        "rollout_fp8": sum(1 for r in rq if r.kind == "fp8_linear"),
-        "rollout_act_qdq": sum(1 for r in rq if r.kind == "act_qdq"),
+        "rollout_w4a4": sum(1 for r in rq if r.w4a4),
+        "rollout_w4a16": sum(1 for r in rq if r.lowered_as(NVFP4Spec) and r.act_spec is None),
+        "rollout_fp8": sum(1 for r in rq if r.lowered_as(FP8Spec)),
+        "rollout_act_qdq": sum(1 for r in rq if r.activation_only),
         "rac": sum(1 for r in rq if r.rac is not None),
     }
 

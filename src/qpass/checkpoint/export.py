@@ -19,8 +19,10 @@ import torch
 from qpass.checkpoint.formats import ExportInputs, RolloutSite, build_checkpoint, weight_arithmetic
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE, plain_config, plain_state, write_hf_dir
 from qpass.errors import QpassError
+from qpass.formats.spec import NVFP4_ACT_MODES, NVFP4Spec
 
-ACT_OF_SPEC = {None: "none", "nvfp4.activation.per_tensor": "nvfp4", "nvfp4.activation.per_token": "nvfp4_per_token"}
+# activation spec key (None: W4A16) -> NVFP4 activation mode, as report files spell specs
+ACT_OF_SPEC = {(spec.key if spec is not None else None): mode for mode, spec in NVFP4_ACT_MODES.items()}
 INPUT_SCALE_RULE = "fl(group_amax / 2688), decode multiplier, shared per fused group"
 
 
@@ -40,14 +42,13 @@ def sites_from_rollout(rollout: Any) -> dict[str, RolloutSite]:
     for s, rec in rollout.quant.items():
         if not rec.lowered:
             if rec.spec is None and rec.act_spec is not None and rec.op == "qpass::nvfp4_act_qdq":
-                if rec.act_spec.key not in ACT_OF_SPEC:
+                if rec.nvfp4_act_mode() is None:
                     raise QpassError(f"rollout site {s}: activation-only spec {rec.act_spec.key} is not NVFP4")
-                out[s] = RolloutSite(s, rec.group, ACT_OF_SPEC[rec.act_spec.key], None, weight="none")
+                out[s] = RolloutSite(s, rec.group, rec.nvfp4_act_mode(), None, weight="none")
             continue
-        if rec.kind != "nvfp4_linear":
+        if not rec.lowered_as(NVFP4Spec):
             raise QpassError(f"rollout site {s} is {rec.kind}; qpass export writes NVFP4 checkpoints only")
-        out[s] = RolloutSite(s, rec.group, ACT_OF_SPEC[rec.act_spec.key if rec.act_spec is not None else None], rec.rac,
-                             rec.spec.arithmetic)
+        out[s] = RolloutSite(s, rec.group, rec.nvfp4_act_mode(), rec.rac, rec.spec.arithmetic)
     return out
 
 

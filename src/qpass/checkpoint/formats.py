@@ -36,9 +36,10 @@ from qpass.checkpoint.params import check_site_tensors
 from qpass.checkpoint.qconfig import QpassQuantOptions
 from qpass.checkpoint.tensors import check_fused_global_scales
 from qpass.errors import QpassError
+from qpass.formats.spec import NVFP4_ACT_PER_TOKEN, NVFP4ActMode, nvfp4_act_mode
 from qpass.quant.rac import RACConfig
 
-ActMode = Literal["nvfp4", "nvfp4_per_token", "none"]
+ActMode = NVFP4ActMode
 WeightMode = Literal["nvfp4", "none"]
 SITE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 
@@ -329,8 +330,8 @@ def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
         raise QpassError("--format modelopt needs NVFP4-quantized sites; this rollout has none (use --format plain)")
     refuse_act_only(inputs, "modelopt")
     act = act_mode(inputs)
-    if act == "nvfp4_per_token":
-        raise QpassError("ModelOpt NVFP4 has no per-token activation scale (act: nvfp4_per_token); use --format qpass")
+    if act == nvfp4_act_mode(NVFP4_ACT_PER_TOKEN):
+        raise QpassError(f"ModelOpt NVFP4 has no per-token activation scale (act: {act}); use --format qpass")
     algo = "NVFP4" if act == "nvfp4" else "W4A16_NVFP4"
     exclude = excluded_modules(inputs)
     producer = {"name": "modelopt", "version": MODELOPT_VERSION}
@@ -396,8 +397,8 @@ def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
         raise QpassError("--format compressed-tensors needs NVFP4-quantized sites; this rollout has none (use --format plain)")
     refuse_act_only(inputs, "compressed-tensors")
     act = act_mode(inputs)
-    if act == "nvfp4_per_token":
-        raise QpassError("compressed-tensors' NVFP4 preset has no per-token activation global scale (act: nvfp4_per_token); use --format qpass")
+    if act == nvfp4_act_mode(NVFP4_ACT_PER_TOKEN):
+        raise QpassError(f"compressed-tensors' NVFP4 preset has no per-token activation global scale (act: {act}); use --format qpass")
     fmt = CompressionFormat.nvfp4_pack_quantized.value
     exclude = excluded_modules(inputs)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=fmt, **(NVFP4 if act == "nvfp4" else NVFP4A16))},

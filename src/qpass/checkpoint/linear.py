@@ -28,13 +28,14 @@ import torch
 from qpass.checkpoint.params import mark_unloaded, nan_scale_bytes
 from qpass.checkpoint.qconfig import METHOD_NAME
 from qpass.errors import QuantizationError
+from qpass.formats.spec import NVFP4Spec
 from qpass.quant.rac import RACConfig
 
 __all__ = ["activation_for_row_parallel", "begin_loading", "finish_act_only_loading", "finish_loading", "served_act_linear",
            "served_linear"]
 
 
-def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object | None, site: str) -> torch.Tensor:
+def activation_for_row_parallel(x: torch.Tensor, act: NVFP4Spec | str, process_group: object | None, site: str) -> torch.Tensor:
     """``DQ(Q_A(x))`` rounded to bf16 (the W4A4 GEMM operand) with the global amax all-reduced (MAX)
     over ``process_group``.
 
@@ -44,16 +45,19 @@ def activation_for_row_parallel(x: torch.Tensor, act: str, process_group: object
 
     Args:
         x: ``[..., K/tp]`` bf16/fp16/fp32 activation slice.
-        act: ``nvfp4`` (one global per tensor) or ``nvfp4_per_token`` (one per row).
+        act: the activation spec (``NVFP4_ACT``: one global per tensor, ``NVFP4_ACT_PER_TOKEN``: one
+            per row) or its mode string (``qpass.formats.spec.NVFP4_ACT_MODES``).
     Returns:
         bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly. The values are
         ``nvfp4_act_operand``'s (the operand of the main ``qpass::nvfp4_linear`` op): saturated to
         the range of ``x.dtype``, so an fp16 activation at 65504 gives 65280, not 65536 (inf in fp16).
     """
-    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_act_spec, nvfp4_quantize
+    from qpass.formats.spec import nvfp4_act_spec_of
+    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_quantize
 
+    spec = nvfp4_act_spec_of(act, site) if isinstance(act, str) else act
     x2 = x.reshape(-1, x.shape[-1])
-    q = nvfp4_quantize(x2, spec=nvfp4_act_spec(act == "nvfp4_per_token"), process_group=process_group, name="activation", site=site)
+    q = nvfp4_quantize(x2, spec=spec, process_group=process_group, name="activation", site=site)
     x_hat = nvfp4_act_operand(q).reshape(x.shape)
     return x_hat if x.dtype == torch.bfloat16 else x_hat.float()
 
@@ -129,46 +133,45 @@ def served_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | 
                   rac: RACConfig | None, process_group: object | None = None) -> torch.Tensor:
     """The forward of a served ``qpass_nvfp4`` layer: ``x [..., K] -> [..., N]`` in ``x.dtype``.
 
-    ``act``: ``none`` (W4A16), ``nvfp4`` / ``nvfp4_per_token`` (W4A4, dynamic activation global
-    scale per tensor / per token); ``rac``: residual compensation (any mode and selection; static
-    reads ``layer.rac_channels``); ``bias`` ``[N]`` or None (the engine passes it: a row-parallel rank
-other than 0 passes None). A K-sharded layer (``layer.qpass_k_sharded``) quantizes its
+    ``act``: an NVFP4 activation mode (``qpass.formats.spec.NVFP4_ACT_MODES``: ``none`` W4A16,
+    ``nvfp4`` / ``nvfp4_per_token`` W4A4 with a dynamic activation global scale per tensor / per
+    token); ``rac``: residual compensation (any mode and selection; static reads
+    ``layer.rac_channels``); ``bias`` ``[N]`` or None (the engine passes it: a row-parallel rank
+    other than 0 passes None). A K-sharded layer (``layer.qpass_k_sharded``) quantizes its
     activation slice with the amax all-reduced over ``process_group``, then runs the W4A16 product.
 
-    Kernels: if :func:`finish_loading` bound ``qpass_w_hat`` and the current kernel backend runs the
-    reference ops on ``x.device``, the :mod:`qpass.quant.linear` functions that the reference
-    ``qpass::nvfp4_linear`` calls run with that decoded weight (bit-identical to the op); otherwise
-    ``torch.ops.qpass.nvfp4_linear`` dispatches (e.g. the Triton kernel on CUDA).
+    The layer becomes one typed call (:class:`qpass.ops.calls.NVFP4LinearCall`). If
+    :func:`finish_loading` bound ``qpass_w_hat`` and the current kernel backend runs the reference ops
+    on ``x.device``, the reference kernel runs with that decoded weight (bit-identical to the op);
+    otherwise the call goes through ``qpass::nvfp4_linear`` (e.g. the Triton kernel on CUDA).
 
     Raises:
         QuantizationError: NaN/inf activations, K mismatch (naming ``site``).
     """
-    from qpass.ops import current_backend, effective_backend
+    from qpass.formats.spec import nvfp4_act_spec_of
+    from qpass.ops import NVFP4_LINEAR, NVFP4LinearCall, current_backend, effective_backend
+    from qpass.quant.nvfp4 import NVFP4Tensor
 
-    if act != "none" and getattr(layer, "qpass_k_sharded", False):
+    try:
+        act_spec = nvfp4_act_spec_of(act, f"{METHOD_NAME}: layer {site}")
+    except ValueError as exc:
+        raise QuantizationError(str(exc)) from None
+    if act_spec is not None and getattr(layer, "qpass_k_sharded", False):
         if rac is not None:
             raise QuantizationError(f"{METHOD_NAME}: layer {site} is row-parallel and has residual compensation, "
                                     "whose channel ranking needs the whole K")
-        x = activation_for_row_parallel(x, act, process_group, site)
-        act = "none"
+        x = activation_for_row_parallel(x, act_spec, process_group, site)
+        act_spec = None
     channels = getattr(layer, "rac_channels", None) if rac is not None and rac.selection == "static" else None
+    w = NVFP4Tensor.from_parts(layer.weight, layer.weight_scale, layer.qpass_s_dec)
+    call = NVFP4LinearCall(x=x, weight=w, bias=bias, act=act_spec, rac=rac if rac is not None and rac.ratio > 0 else None,
+                           rac_channels=channels, site=site, out_dtype=x.dtype)
     w_hat = getattr(layer, "qpass_w_hat", None)
     if w_hat is not None and effective_backend(current_backend(), x.device) == "reference":
-        from qpass.quant.linear import w4a4_linear_reference, w4a16_linear_reference
-        from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec
+        from qpass.quant.linear import nvfp4_linear_reference
 
-        w = NVFP4Tensor.from_parts(layer.weight, layer.weight_scale, layer.qpass_s_dec)
-        if act == "none":
-            return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
-        return w4a4_linear_reference(x, w, bias, act_spec=nvfp4_act_spec(act == "nvfp4_per_token"),
-                                     rac=rac if rac is not None and rac.ratio > 0 else None,
-                                     static_channels=channels, w_hat=w_hat, site=site)
-    import qpass.ops  # noqa: F401 - registers torch.ops.qpass.nvfp4_linear
-
-    return torch.ops.qpass.nvfp4_linear(
-        x, layer.weight, layer.weight_scale, layer.qpass_s_dec, bias, site, act,
-        float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked", rac.selection if rac else "batch", channels,
-    ).to(x.dtype)
+        return nvfp4_linear_reference(call, w_hat=w_hat)
+    return NVFP4_LINEAR(call).to(x.dtype)
 
 
 def finish_act_only_loading(layer: torch.nn.Module, prefix: str) -> None:
@@ -203,13 +206,17 @@ def served_act_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
     """
     from qpass.quant import qdq  # noqa: F401 - registers torch.ops.qpass.nvfp4_act_qdq
 
-    if act not in ("nvfp4", "nvfp4_per_token"):
-        raise QuantizationError(f"{METHOD_NAME}: activation-only layer {site}: act must be nvfp4 or nvfp4_per_token, got {act!r}")
-    per_token = act == "nvfp4_per_token"
-    if getattr(layer, "qpass_k_sharded", False) and process_group is not None and x.numel():
-        from qpass.quant.nvfp4 import nvfp4_act_spec, nvfp4_dequantize, nvfp4_quantize
+    from qpass.formats.spec import NVFP4_ACT_MODES
 
-        q = nvfp4_quantize(x, spec=nvfp4_act_spec(per_token), process_group=process_group, name="activation", site=site)
+    spec = NVFP4_ACT_MODES.get(act) if isinstance(act, str) else None
+    if spec is None:
+        quantized = [m for m, s in NVFP4_ACT_MODES.items() if s is not None]
+        raise QuantizationError(f"{METHOD_NAME}: activation-only layer {site}: act must be {' or '.join(quantized)}, got {act!r}")
+    per_token = spec.global_scope == "per_token"
+    if getattr(layer, "qpass_k_sharded", False) and process_group is not None and x.numel():
+        from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+
+        q = nvfp4_quantize(x, spec=spec, process_group=process_group, name="activation", site=site)
         x_q = nvfp4_dequantize(q, x.dtype)
     else:
         x_q = torch.ops.qpass.nvfp4_act_qdq(x, site, per_token)

@@ -39,10 +39,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from qpass.errors import QpassError
+from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_MODES, NVFP4_ACT_PER_TOKEN, NVFP4ActMode, NVFP4Spec, nvfp4_act_mode
 from qpass.quant.rac import RACConfig
 
 METHOD_NAME = "qpass_nvfp4"
-ACT_MODES = ("nvfp4", "nvfp4_per_token", "none")
+ACT_MODES = tuple(NVFP4_ACT_MODES)  # the op's NVFP4 activation modes (``qpass_act``)
 WEIGHT_MODES = ("nvfp4", "none")  # ``qpass_weight``: NVFP4 weight bytes, or the weight unquantized (activation-only sites)
 QUANT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "W16A4_NVFP4": "none"}  # quant_algo -> the qpass_weight it implies
 WEIGHT_ARITHMETIC = ("te_reference", "modelopt")
@@ -71,7 +72,7 @@ class QpassQuantOptions:
             in the model dtype, activations get ``qpass::nvfp4_act_qdq``; config field ``qpass_weight``).
     """
 
-    act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
+    act: NVFP4ActMode = "nvfp4"
     rac: Mapping[str, RACConfig] = dataclasses.field(default_factory=dict)
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     weight_arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
@@ -96,6 +97,11 @@ class QpassQuantOptions:
             if self.act == "none":
                 raise QpassError(f"{METHOD_NAME}: site {site} has RAC but activations are not quantized (act='none')")
 
+    @property
+    def act_spec(self) -> NVFP4Spec | None:
+        """The activation spec of :attr:`act` (None: W4A16)."""
+        return NVFP4_ACT_MODES[self.act]
+
     # ------------------------------------------------------------------ config dicts
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "QpassQuantOptions":
@@ -118,7 +124,7 @@ class QpassQuantOptions:
         act = q.get("qpass_act")
         if act is None:
             ia = q.get("input_activations") or {}
-            act = "none" if algo == "W4A16_NVFP4" else ("nvfp4_per_token" if ia.get("per_token") else "nvfp4")
+            act = nvfp4_act_mode(None if algo == "W4A16_NVFP4" else (NVFP4_ACT_PER_TOKEN if ia.get("per_token") else NVFP4_ACT))
         rac = {}
         for site, r in (q.get("rac") or {}).items():
             rac[site] = RACConfig(float(r["ratio"]), r.get("mode", "masked"), r.get("selection", "batch"))
@@ -136,7 +142,7 @@ class QpassQuantOptions:
             "group_size": 16,
             "qpass_act": self.act,
             "qpass_weight": self.weight,
-            "input_activations": None if self.act == "none" else {"dynamic": True, "per_token": self.act == "nvfp4_per_token"},
+            "input_activations": None if self.act_spec is None else {"dynamic": True, "per_token": self.act_spec.global_scope == "per_token"},
             "weight_global_scale_convention": None if act_only else "weight_scale_2 = S_dec (decode multiplier)",
             "weight_arithmetic": self.weight_arithmetic,
             "exclude_modules": list(self.exclude),

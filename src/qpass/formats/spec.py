@@ -212,6 +212,38 @@ ALL_SPECS: tuple[QuantSpec, ...] = (
 )
 
 
+# The NVFP4 activation *modes*: the ``act`` argument of ``qpass::nvfp4_linear``, the ``act`` option of
+# ``w4a4_lower`` and of the ``qpass_nvfp4`` checkpoint config. The one place a mode string meets its spec.
+NVFP4ActMode = Literal["nvfp4", "nvfp4_per_token", "none"]
+NVFP4_ACT_MODES: dict[str, NVFP4Spec | None] = {"nvfp4": NVFP4_ACT, "nvfp4_per_token": NVFP4_ACT_PER_TOKEN, "none": None}
+
+
+def nvfp4_act_spec_of(mode: str, where: str = "") -> NVFP4Spec | None:
+    """The activation spec of an NVFP4 activation mode (``none`` -> None: W4A16).
+
+    Raises:
+        ValueError: unknown mode; names ``where`` (a site, an option) and the known modes.
+    """
+    try:
+        return NVFP4_ACT_MODES[mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"{where + ': ' if where else ''}NVFP4 activation mode must be one of {list(NVFP4_ACT_MODES)}, "
+                         f"got {mode!r}") from None
+
+
+def nvfp4_act_mode(spec: QuantSpec | None) -> str:
+    """The NVFP4 activation mode of an activation spec (None -> ``none``).
+
+    Raises:
+        ValueError: ``spec`` is not an NVFP4 activation spec.
+    """
+    for mode, s in NVFP4_ACT_MODES.items():
+        if s == spec:
+            return mode
+    raise ValueError(f"{spec.key if spec is not None else spec} is not an NVFP4 activation spec "
+                     f"(modes: {list(NVFP4_ACT_MODES)})")
+
+
 def nvfp4_weight_spec(arithmetic: str = "te_reference") -> NVFP4Spec:
     """The canonical NVFP4 weight spec of ``arithmetic`` (``te_reference`` | ``modelopt``).
 

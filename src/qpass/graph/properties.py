@@ -105,10 +105,13 @@ def _nvfp4_lowered(qg: QGraph) -> list[str]:
 
 @graph_property("rac")
 def _rac(qg: QGraph) -> list[str]:
-    nodes = [n for n in _nvfp4_linear_nodes(qg) if op_args(n)["rac_ratio"] > 0]
+    from qpass.ops.calls import NVFP4LinearCall
+
+    options = {n: NVFP4LinearCall.decode(op_args(n)) for n in _nvfp4_linear_nodes(qg)}
+    nodes = [n for n, (_, rac) in options.items() if rac is not None]
     if not nodes:
         return ["no qpass::nvfp4_linear node with rac_ratio > 0"]
-    return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if op_args(n)["act"] == "none"]
+    return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if options[n][0] is None]
 
 
 @graph_property("mxfp4_lowered")

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from qpass.formats.spec import QuantSpec
+from qpass.formats.spec import NVFP4Spec, QuantSpec, nvfp4_act_mode
 from qpass.quant.rac import RACConfig
 
 
@@ -60,9 +60,33 @@ class SiteQuant:
         """Learner: the weight is fake-quantized in place (``weight_qdq``)."""
         return self.spec is not None and not self.constants
 
+    def lowered_as(self, spec_type: type) -> bool:
+        """The weight lives as quantized constants of a rollout op and its spec is a ``spec_type``
+        (``NVFP4Spec``, ``FP8Spec``, ``MXFP4Spec``)."""
+        return self.lowered and isinstance(self.spec, spec_type)
+
+    @property
+    def activation_only(self) -> bool:
+        """Only the input is quantized (the ``act_qdq`` pass): no weight spec, an activation spec."""
+        return self.spec is None and self.act_spec is not None
+
+    @property
+    def w4a4(self) -> bool:
+        """An NVFP4-lowered site whose activations are quantized too."""
+        return self.lowered_as(NVFP4Spec) and self.act_spec is not None
+
+    def nvfp4_act_mode(self) -> str | None:
+        """The NVFP4 activation mode of the site (``qpass.formats.spec.NVFP4_ACT_MODES``: ``none`` when
+        activations stay unquantized), or None when its activation spec is not NVFP4."""
+        try:
+            return nvfp4_act_mode(self.act_spec)
+        except ValueError:
+            return None
+
     @property
     def kind(self) -> str:
-        """Short label for reports: the op name without namespace, or ``weight_qdq`` / ``act_qdq``."""
+        """Short label for reports (never compared by readers: ask :meth:`lowered_as` and the other
+        predicates): the op name without namespace, or ``weight_qdq`` / ``act_qdq``."""
         if self.lowered:
             return (self.op or "").split("::")[-1]
         return "weight_qdq" if self.spec is not None else "act_qdq"

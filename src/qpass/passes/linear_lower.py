@@ -1,11 +1,13 @@
 """Generic linear lowering (rollout): ``aten.linear(x, w)`` -> the rollout op of the weight spec.
 
 One pass body for every format; what it emits comes from the spec tables (:mod:`qpass.tables`):
-the ``rollout_lower`` entry of the weight spec gives the op, its constants and argument builder,
+the ``rollout_lower`` entry of the weight spec gives the op schema, its constants and (through the
+op's typed call class, :mod:`qpass.ops.calls`) the option arguments,
 and :func:`qpass.quant.weights.quantize_site_weights` the constants (one shared amax per fused group
 for specs with a global scale, SPEC §3 rule 1). The recipe passes are thin configurations:
 
-* ``w4a4_lower`` (``act``: nvfp4 | nvfp4_per_token | none) and ``w4a16_lower`` (``act: none``)::
+* ``w4a4_lower`` (``act``: an NVFP4 activation mode, ``qpass.formats.spec.NVFP4_ACT_MODES``) and
+  ``w4a16_lower`` (``act: none``)::
 
       y = aten.linear(x, get_attr[model.layers.0.mlp.down_proj.weight])
    -> y = qpass.nvfp4_linear(x, codes, scales, s_dec, None, "model.layers.0.mlp.down_proj",
@@ -26,12 +28,11 @@ import re
 from typing import Literal
 
 from qpass import ops  # noqa: F401 - registers the rollout ops and their table entries
-from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec, nvfp4_weight_spec
+from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, NVFP4ActMode, QuantSpec, nvfp4_act_spec_of, nvfp4_weight_spec
 from qpass.graph.opargs import args_in_schema_order
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
-from qpass.quant.nvfp4 import nvfp4_act_spec
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
 
@@ -89,7 +90,7 @@ class LinearLower(Pass):
                     else:  # kept (exported), never read by the op
                         qg.gm.register_buffer(attr, value)
                     names[cname] = attr
-                fixed = {**lo.defaults, **lo.weight_args(wspec), **lo.act_setting(aspec, s.id), **arg_nodes, "site": s.id}
+                fixed = {**lo.option_args(wspec, aspec, s.id), **arg_nodes, "site": s.id}
                 for lin in nodes[s.id]:
                     args = args_in_schema_order(op, {"x": lin.args[0], "bias": bias_arg(lin), **fixed})
                     with g.inserting_before(lin):
@@ -112,25 +113,24 @@ class LinearLower(Pass):
 
 
 class NVFP4LowerOptions(PassOptions):
-    act: Literal["nvfp4", "nvfp4_per_token", "none"] = "nvfp4"
+    act: NVFP4ActMode = "nvfp4"  # qpass.formats.spec.NVFP4_ACT_MODES
     arithmetic: Literal["te_reference", "modelopt"] = "te_reference"  # weight quantizer (NVFP4Spec.arithmetic); match weight_qdq
 
 
 class W4A16LowerOptions(NVFP4LowerOptions):
-    act: Literal["nvfp4", "nvfp4_per_token", "none"] = "none"
+    act: NVFP4ActMode = "none"
 
 
 class _NVFP4Lower(LinearLower):
     ensures = ("nvfp4_lowered",)
 
     def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
-        act = self.options.act
-        return nvfp4_weight_spec(self.options.arithmetic), (None if act == "none" else nvfp4_act_spec(act == "nvfp4_per_token"))
+        return nvfp4_weight_spec(self.options.arithmetic), nvfp4_act_spec_of(self.options.act, self.name)
 
 
 @register_pass
 class W4A4Lower(_NVFP4Lower):
-    """NVFP4 weights + dynamically quantized NVFP4 activations (act: nvfp4 | nvfp4_per_token | none)."""
+    """NVFP4 weights + dynamically quantized NVFP4 activations (``act``: an NVFP4 activation mode)."""
 
     name = "w4a4_lower"
     Options = NVFP4LowerOptions

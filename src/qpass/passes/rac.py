@@ -20,13 +20,13 @@ import pydantic
 import torch
 
 from qpass.errors import PassError
-from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
-from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear / qpass::fp8_linear
+from qpass.formats.spec import NVFP4Spec
+from qpass.ops import NVFP4_LINEAR, NVFP4LinearCall
 from qpass.graph.opargs import op_args, set_op_args
 from qpass.graph.qgraph import QGraph
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from qpass.quant.rac import RACConfig, channel_scores, rac_num_channels, topk_channels
+from qpass.quant.rac import RACConfig, channel_scores, topk_channels
 
 from qpass.passes.common import finish, selected
 
@@ -41,12 +41,12 @@ class RACOptions(PassOptions):
     allow_zero_channels: bool = False
 
 
-def static_channels(x: torch.Tensor, per_token: bool, ratio: float) -> torch.Tensor:
-    """Calibrated RAC channels of activations ``x`` [M, K]: exact top-k residual energy."""
-    spec = NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
-    q = nvfp4_quantize(x, spec=spec)
+def static_channels(x: torch.Tensor, act: NVFP4Spec, rac: RACConfig) -> torch.Tensor:
+    """Calibrated RAC channels of activations ``x`` [M, K] quantized as ``act``: the exact top-k
+    (``rac.num_channels(K)``) residual energy."""
+    q = nvfp4_quantize(x, spec=act)
     r = x.float() - nvfp4_dequantize(q, torch.bfloat16).float()
-    return topk_channels(channel_scores(r, q.amax.amax()), rac_num_channels(x.shape[-1], ratio))
+    return topk_channels(channel_scores(r, q.amax.amax()), rac.num_channels(x.shape[-1]))
 
 
 @register_pass
@@ -63,20 +63,24 @@ class ResidualCompensation(Pass):
         o = self.options
         res = PassResult(self.name, qg.side)
         sites, res.skipped = selected(qg, o, need_nvfp4=True)
-        op = torch.ops.qpass.nvfp4_linear.default
+        op = NVFP4_LINEAR.overload()
+        rac = RACConfig(float(o.ratio), o.mode, o.selection)
         todo: dict[str, list[torch.fx.Node]] = {}
+        acts: dict[str, NVFP4Spec] = {}
         zero: list[str] = []
         for s in sites:
             nodes = [n for n in qg.nodes_of_site(s.id) if n.target == op]
+            act = NVFP4LinearCall.decode(op_args(nodes[0]), s.id)[0] if nodes else None
             if not nodes:
                 res.skipped.append((s.id, "not lowered to qpass.nvfp4_linear"))
-            elif any(op_args(n)["act"] == "none" for n in nodes):
+            elif act is None or any(NVFP4LinearCall.decode(op_args(n), s.id)[0] is None for n in nodes):
                 res.skipped.append((s.id, "W4A16 site: its activations are not quantized, nothing to compensate"))
-            elif rac_num_channels(s.in_features, o.ratio) == 0 and not o.allow_zero_channels:
+            elif rac.num_channels(s.in_features) == 0 and not o.allow_zero_channels:
                 zero.append(s.id)
                 res.skipped.append((s.id, f"ratio {o.ratio} of in_features={s.in_features} selects 0 channels"))
             else:
                 todo[s.id] = nodes
+                acts[s.id] = act
         if zero and not todo:
             raise PassError(
                 f"residual_compensation: ratio {o.ratio} selects 0 channels on every targeted site "
@@ -93,11 +97,11 @@ class ResidualCompensation(Pass):
             if o.selection == "static":
                 if sid not in calib:
                     raise PassError(f"calibration produced no activations for site {sid}")
-                ch = static_channels(calib[sid], op_args(nodes[0])["act"] == "nvfp4_per_token", o.ratio)
+                ch = static_channels(calib[sid], acts[sid], rac)
                 ch_node = qg.add_constant("qpass_rac__" + sid + "__channels", ch, before=nodes[0])
             for n in nodes:
-                set_op_args(n, rac_ratio=float(o.ratio), rac_mode=o.mode, rac_selection=o.selection, rac_channels=ch_node)
-            qg.quant[sid] = dataclasses.replace(qg.quant[sid], rac=RACConfig(float(o.ratio), o.mode, o.selection))
+                set_op_args(n, **NVFP4LinearCall.encode(acts[sid], rac), rac_channels=ch_node)
+            qg.quant[sid] = dataclasses.replace(qg.quant[sid], rac=rac)
             res.sites.append(sid)
         res.matches = len(res.sites)
         res.changed = res.matches > 0

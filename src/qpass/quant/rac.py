@@ -28,6 +28,7 @@ by ``|R_ij|`` (exact, no sum). ``selection: static`` takes calibrated channels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from fractions import Fraction
 from typing import Literal
@@ -67,9 +68,21 @@ class RACConfig:
         if self.selection not in ("batch", "token", "static"):
             raise ValueError(f"RAC selection must be 'batch', 'token' or 'static', got {self.selection!r}")
 
+    def num_channels(self, in_features: int) -> int:
+        """``k``: the number of compensated channels of a site with ``in_features`` input channels,
+        ``floor(ratio * K)`` with ``ratio`` read as the decimal it was written as (0.3 * 10 = 3).
 
+        The one place a ratio becomes ``k``: the op's typed call (:class:`qpass.ops.calls.NVFP4LinearCall`)
+        asks once and hands ``k`` to the kernels; passes and exports ask here too.
+        """
+        return rac_num_channels(in_features, self.ratio)
+
+
+@functools.lru_cache(maxsize=4096)
 def rac_num_channels(k: int, ratio: float) -> int:
-    """``floor(ratio * K)`` with ``ratio`` read as the decimal it was written as (0.3 * 10 = 3)."""
+    """``floor(ratio * K)`` with ``ratio`` read as the decimal it was written as (0.3 * 10 = 3).
+
+    Use :meth:`RACConfig.num_channels` (this is its arithmetic)."""
     return min(k, math.floor(Fraction(repr(float(ratio))) * k))
 
 
@@ -151,6 +164,7 @@ def rac_reference(
     *,
     static_channels: torch.Tensor | None = None,
     site: str | None = None,
+    k: int | None = None,
 ) -> RACResult:
     """Quantize an activation with residual compensation (reference, plain torch).
 
@@ -161,6 +175,8 @@ def rac_reference(
             the same global scope.
         static_channels: int64 [k] channel ids, required for ``selection='static'``.
         site: names the site in errors.
+        k: channels to compensate, as the op's call derived it (``NVFP4LinearCall.rac_k``);
+            default ``cfg.num_channels(K)``.
     Returns:
         :class:`RACResult`.
     Raises:
@@ -173,7 +189,7 @@ def rac_reference(
     qa = nvfp4_quantize(x, spec=act_spec, name="activation", site=site)
     x_hat = nvfp4_act_operand(qa)  # bf16, saturated to x.dtype's range (the GEMM operand)
     r = x.float() - x_hat.float()
-    k = rac_num_channels(k_dim, cfg.ratio)
+    k = cfg.num_channels(k_dim) if k is None else k
     if cfg.selection == "static":
         if static_channels is None:
             raise QuantizationError(f"RAC selection 'static' needs calibrated channels at site {site}")

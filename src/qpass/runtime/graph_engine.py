@@ -89,16 +89,16 @@ class GraphRolloutEngine(TorchRollout):
 
     def served_weights(self) -> dict[str, ServedSite]:
         """The constants the step graph computes with, per quantized site (the live buffers, not copies)."""
+        from qpass.tables import entry
+
         buf = self.qg.gm.get_buffer
         out: dict[str, ServedSite] = {}
         for sid, rec in self.qg.quant.items():
-            kind, c = rec.kind, rec.constants
-            if kind == "nvfp4_linear":
-                out[sid] = ServedSite(sid, "nvfp4", buf(c["codes"]), buf(c["scales"]), buf(c["s_dec"]), rec.group)
-            elif kind == "mxfp4_linear":
-                out[sid] = ServedSite(sid, "mxfp4", buf(c["codes"]), buf(c["scales"]), group=sid)
-            elif kind == "fp8_linear":
-                out[sid] = ServedSite(sid, "fp8", buf(c["data"]), buf(c["scale"]), group=sid)
+            if not rec.lowered:
+                continue
+            lo = entry("rollout_lower", rec.spec)  # the op's tensor constants, in ServedSite order
+            parts = [buf(rec.constants[c]) for c in lo.constant_args]
+            out[sid] = ServedSite(sid, lo.served_format, *parts, group=rec.group if rec.spec.has_global_scale else sid)
         return out
 
 

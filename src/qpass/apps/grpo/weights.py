@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from qpass.graph.qgraph import QGraph
-from qpass.formats.spec import NVFP4_WEIGHT
+from qpass.formats.spec import FP8Spec, NVFP4_WEIGHT, NVFP4Spec
 from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor
 from qpass.quant.weights import cached_reference_quantize
 
@@ -162,13 +162,13 @@ def nvfp4_groups(rollout: QGraph) -> dict[str, list[str]]:
     """``{group id: [site, ...]}`` of the rollout's NVFP4 linears, in the order weight sync uses."""
     groups: dict[str, list[str]] = {}
     for sid, rec in rollout.quant.items():
-        if rec.kind == "nvfp4_linear":
+        if rec.lowered_as(NVFP4Spec):
             groups.setdefault(rec.group, []).append(sid)
     return groups
 
 
 def _fp8_sites(rollout: QGraph) -> list[str]:
-    return [sid for sid, rec in rollout.quant.items() if rec.kind == "fp8_linear"]
+    return [sid for sid, rec in rollout.quant.items() if rec.lowered_as(FP8Spec)]
 
 
 def has_learner_qdq(learner: QGraph) -> bool:
@@ -199,9 +199,9 @@ def snapshot_rollout_constants(rollout: QGraph) -> RolloutConstants:
     nv, f8 = {}, {}
     for sid, rec in rollout.quant.items():
         c = rec.constants
-        if rec.kind == "nvfp4_linear":
+        if rec.lowered_as(NVFP4Spec):
             nv[sid] = tuple(rollout.gm.get_buffer(c[k]).detach().clone() for k in ("codes", "scales", "s_dec"))
-        elif rec.kind == "fp8_linear":
+        elif rec.lowered_as(FP8Spec):
             f8[sid] = tuple(rollout.gm.get_buffer(c[k]).detach().clone() for k in ("data", "scale"))
     return RolloutConstants(nv, f8)
 

@@ -2,7 +2,7 @@
 on CUDA, measured time of the rollout linear op.
 
 FLOPs (multiply-adds counted as 2 FLOPs, per token, forward only), for a W4A4 linear ``[N, K]``
-with RAC ratio ``r`` and ``k = floor(r K)`` selected channels (:func:`qpass.quant.rac.rac_num_channels`):
+with RAC ratio ``r`` and ``k = floor(r K)`` selected channels (:meth:`qpass.quant.rac.RACConfig.num_channels`):
 
 * main GEMM ``X_hat W_hat^T``: ``2 K N``;
 * ``masked`` compensation ``R_hat W_hat^T`` over all K columns (zeros outside S): ``+ 2 K N``
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from qpass.graph.sites import Site
-from qpass.quant.rac import ceil16, rac_num_channels
+from qpass.quant.rac import RACConfig, ceil16
 
 
 def rac_extra_flops(k_in: int, n_out: int, ratio: float, mode: str, selection: str) -> dict[str, float]:
@@ -42,7 +42,7 @@ def rac_extra_flops(k_in: int, n_out: int, ratio: float, mode: str, selection: s
         "reference_extra": what the plain-torch reference computes, "quantized_elems": residual
         elements quantized}``.
     """
-    k = rac_num_channels(k_in, ratio)
+    k = RACConfig(ratio, mode, selection).num_channels(k_in)
     if k == 0:
         return {"channels": 0, "k_prime": 0, "extra": 0.0, "reference_extra": 0.0, "quantized_elems": 0}
     if mode == "masked":

@@ -26,11 +26,10 @@ from typing import Any
 import torch
 
 from qpass.diagnostics.layerwise import SiteMismatch, layerwise_mismatch
-from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN
 from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from qpass.quant.rac import RACConfig, rac_num_channels, rac_reference, scatter_gathered
+from qpass.quant.rac import rac_reference, scatter_gathered
 from qpass.sampling import positions_from_mask
 
 Acts = dict[str, tuple[torch.Tensor, torch.Tensor]]  # site -> (pre [B,T,K], eff [B,T,K])
@@ -55,14 +54,16 @@ def effective_nvfp4_input(x: torch.Tensor, args: Mapping[str, Any]) -> torch.Ten
         ``x`` itself for ``act='none'``; else ``DQ(Q_A(x))`` (bf16) or, with RAC,
         ``float32(DQ(Q_A(x))) + R_hat`` (dense float32); shape of ``x``.
     """
-    act, ratio, mode, selection = args["act"], float(args["rac_ratio"]), args["rac_mode"], args["rac_selection"]
+    from qpass.ops.calls import NVFP4LinearCall
+
+    spec, rac = NVFP4LinearCall.decode(args)
     channels, site = args["rac_channels"], args["site"]
-    if act == "none":
+    if spec is None:
         return x
-    spec = NVFP4_ACT_PER_TOKEN if act == "nvfp4_per_token" else NVFP4_ACT
     x2 = x.reshape(-1, x.shape[-1])
-    if ratio > 0 and rac_num_channels(x2.shape[-1], ratio) > 0:
-        res = rac_reference(x2, RACConfig(ratio, mode, selection), spec, static_channels=channels, site=site)
+    k = rac.num_channels(x2.shape[-1]) if rac is not None else 0
+    if k > 0:
+        res = rac_reference(x2, rac, spec, static_channels=channels, site=site, k=k)
         comp = res.comp.float() if res.gather_index is None else scatter_gathered(res.comp, res.gather_index, x2.shape[-1])
         eff = res.x_hat.float() + comp
     else:

@@ -212,7 +212,7 @@ def rollout_sites_model(
         if io != et:
             y = b.op("Cast", [y], f"{s.site}.y_io", to=io)
         b.add_output(y, f"{s.site}.y", io, ["tokens", s.out_features])
-    doc = f"qpass rollout linears ({flavour}): " + ", ".join(f"{s.site}={s.kind}/{s.act}" + (f"/rac{s.rac.ratio}-{s.rac.mode}-{s.rac.selection}" if s.rac else "") for s in recs)
+    doc = f"qpass rollout linears ({flavour}): " + ", ".join(f"{s.site}={s.kind}/{s.act_label}" + (f"/rac{s.rac.ratio}-{s.rac.mode}-{s.rac.selection}" if s.rac else "") for s in recs)
     return b.model(doc=doc), recs
 
 

@@ -24,11 +24,11 @@ import torch
 from onnx import TensorProto
 
 from qpass.errors import QpassError
-from qpass.formats.spec import FP8Spec, Granularity, QuantSpec
+from qpass.formats.spec import FP8Spec, Granularity, NVFP4Spec, QuantSpec, nvfp4_act_mode, nvfp4_act_spec_of
 from qpass.quant.fp8 import FP8Tensor
 from qpass.quant.mxfp4 import MXFP4Tensor
 from qpass.quant.nvfp4 import NVFP4Tensor, act_operand_limit
-from qpass.quant.rac import RACConfig, rac_num_channels
+from qpass.quant.rac import RACConfig
 
 from qpass.backends.onnx import emit
 from qpass.backends.onnx.builder import GraphBuilder
@@ -48,8 +48,8 @@ class SiteLinear:
         spec: the weight spec (its type selects the ``onnx`` table entry).
         weight: the quantized weight (``NVFP4Tensor`` / ``FP8Tensor`` / ``MXFP4Tensor``), ``[N, K]``.
         bias: ``[N]`` in the model dtype, or None.
-        act: NVFP4: ``none`` | ``nvfp4`` | ``nvfp4_per_token``; FP8: the activation granularity;
-            MXFP4: ``none``.
+        act: the activation spec: NVFP4 (``NVFP4_ACT`` / ``NVFP4_ACT_PER_TOKEN``) or None (W4A16);
+            FP8: the :class:`FP8Spec`; MXFP4: None.
         rac: residual compensation options (NVFP4 W4A4 only), or None.
         rac_channels: int64 calibrated channels for ``selection='static'``.
     """
@@ -58,7 +58,7 @@ class SiteLinear:
     spec: QuantSpec
     weight: Any
     bias: torch.Tensor | None
-    act: str
+    act: QuantSpec | None
     rac: RACConfig | None = None
     rac_channels: torch.Tensor | None = None
 
@@ -69,6 +69,14 @@ class SiteLinear:
     @property
     def out_features(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def act_label(self) -> str:
+        """The activation option as the rollout op spells it: the NVFP4 activation mode
+        (``nvfp4``, ``nvfp4_per_token``, ``none``) or the FP8 activation granularity."""
+        if isinstance(self.act, FP8Spec):
+            return self.act.granularity.value
+        return nvfp4_act_mode(self.act)
 
     @property
     def kind(self) -> str:
@@ -100,10 +108,12 @@ class OnnxLinear:
 
 # ------------------------------------------------------------------------------------ NVFP4
 def _nvfp4_from_op_args(site: str, spec: QuantSpec, a: Mapping[str, Any], buf: Callable[[Any], Any]) -> SiteLinear:
+    from qpass.ops.calls import NVFP4LinearCall
+
     w = NVFP4Tensor.from_parts(buf(a["w_codes"]).detach(), buf(a["w_scales"]).detach(), buf(a["w_s_dec"]).detach())
-    rac = RACConfig(float(a["rac_ratio"]), a["rac_mode"], a["rac_selection"]) if float(a["rac_ratio"]) > 0 else None
+    act, rac = NVFP4LinearCall.decode(a, site)
     ch = buf(a["rac_channels"])
-    return SiteLinear(site, spec, w, _detach(buf(a["bias"])), a["act"], rac, None if ch is None else ch.detach())
+    return SiteLinear(site, spec, w, _detach(buf(a["bias"])), act, rac, None if ch is None else ch.detach())
 
 
 def _nvfp4_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
@@ -112,14 +122,16 @@ def _nvfp4_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Ten
     p = rollout_pass(("w4a4_lower", "w4a16_lower"))
     if p is None:
         raise QpassError(f"ONNX export: no w4a4_lower/w4a16_lower pass of {source} targets NVFP4 site {site}")
-    rp = rollout_pass(("residual_compensation",)) if p.options.act != "none" else None
-    rac = None
-    if rp is not None and rac_num_channels(w.shape[-1], rp.options.ratio) > 0:
-        if rp.options.selection == "static":
+    act = nvfp4_act_spec_of(p.options.act, site)
+    rp = rollout_pass(("residual_compensation",)) if act is not None else None
+    rac = None if rp is None else RACConfig(rp.options.ratio, rp.options.mode, rp.options.selection)
+    if rac is not None and rac.num_channels(w.shape[-1]) > 0:
+        if rac.selection == "static":
             raise QpassError(f"ONNX export: site {site} uses static RAC ({source}); its calibrated channels are not "
                              "read from the artifacts (export from the rollout graph instead)")
-        rac = RACConfig(rp.options.ratio, rp.options.mode, rp.options.selection)
-    return SiteLinear(site, spec, w, bias, p.options.act, rac)
+    else:
+        rac = None
+    return SiteLinear(site, spec, w, bias, act, rac)
 
 
 def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> Operands:
@@ -127,13 +139,13 @@ def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> 
     dtype ``elem_type`` before its bf16 rounding (``qpass.quant.nvfp4.nvfp4_act_operand``)."""
     k = s.in_features
     wf = b.op("Cast", [emit.nvfp4_weight(b, s.weight, s.site, dtype=BF16)], f"{s.site}.w_hat", to=F)
-    if s.act == "none":
+    if s.act is None:
         return Operands(wf, xf)
-    if s.act not in ("nvfp4", "nvfp4_per_token"):
+    if not isinstance(s.act, NVFP4Spec) or s.act.role != "activation":
         raise QpassError(f"ONNX export: site {s.site} has unknown NVFP4 activation mode {s.act!r}")
-    per_token = s.act == "nvfp4_per_token"
+    per_token = s.act.global_scope == "per_token"
     lim = act_operand_limit(_ONNX_TO_TORCH.get(elem_type, torch.float32))
-    if s.rac is not None and (s.rac.selection == "static" or rac_num_channels(k, s.rac.ratio) > 0):
+    if s.rac is not None and (s.rac.selection == "static" or s.rac.num_channels(k) > 0):
         rv = emit_rac(b, xf, k, s.rac, per_token=per_token, static_channels=s.rac_channels, site=s.site, operand_limit=lim)
         cols = None
         if rv.columns is not None:  # gathered columns of W_hat, zero for the K' - k padding columns
@@ -151,7 +163,7 @@ def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> 
 def _fp8_from_op_args(site: str, spec: QuantSpec, a: Mapping[str, Any], buf: Callable[[Any], Any]) -> SiteLinear:
     data, scale = buf(a["w_data"]).detach(), buf(a["w_scale"]).detach()
     return SiteLinear(site, spec, FP8Tensor(data, scale, data.shape, torch.bfloat16, spec), _detach(buf(a["bias"])),
-                      a["act_granularity"])
+                      FP8Spec(role="activation", granularity=Granularity(a["act_granularity"])))
 
 
 def _fp8_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
@@ -161,13 +173,13 @@ def _fp8_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Tenso
         raise QpassError(f"ONNX export: no fp8_lower pass of {source} targets FP8 site {site}")
     spec = FP8Spec(role="weight", granularity=Granularity(p.options.weight_granularity))
     data = c["data"]
-    return SiteLinear(site, spec, FP8Tensor(data, c["scale"], data.shape, torch.bfloat16, spec), bias, p.options.act_granularity)
+    return SiteLinear(site, spec, FP8Tensor(data, c["scale"], data.shape, torch.bfloat16, spec), bias,
+                      FP8Spec(role="activation", granularity=Granularity(p.options.act_granularity)))
 
 
 def _fp8_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> Operands:
     wf = emit.fp8_weight(b, s.weight, s.site, dtype=F)
-    spec = FP8Spec(role="activation", granularity=Granularity(s.act))
-    return Operands(wf, emit.fp8_activation(b, xf, s.in_features, elem_type=F, dtype=F, spec=spec))
+    return Operands(wf, emit.fp8_activation(b, xf, s.in_features, elem_type=F, dtype=F, spec=s.act))
 
 
 # ------------------------------------------------------------------------------------ MXFP4
@@ -177,12 +189,12 @@ def _mxfp4_weight(codes: torch.Tensor, scales: torch.Tensor) -> MXFP4Tensor:
 
 def _mxfp4_from_op_args(site: str, spec: QuantSpec, a: Mapping[str, Any], buf: Callable[[Any], Any]) -> SiteLinear:
     return SiteLinear(site, spec, _mxfp4_weight(buf(a["w_codes"]).detach(), buf(a["w_scales"]).detach()),
-                      _detach(buf(a["bias"])), "none")
+                      _detach(buf(a["bias"])), None)
 
 
 def _mxfp4_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
                            rollout_pass: Callable[[tuple[str, ...]], Any], source: str) -> SiteLinear:
-    return SiteLinear(site, spec, _mxfp4_weight(c["codes"], c["scales"]), bias, "none")
+    return SiteLinear(site, spec, _mxfp4_weight(c["codes"], c["scales"]), bias, None)
 
 
 def _mxfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> Operands:

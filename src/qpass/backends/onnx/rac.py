@@ -19,7 +19,7 @@ import math
 import torch
 from onnx import TensorProto
 
-from qpass.quant.rac import BLOCK, RACConfig, ceil16, rac_num_channels
+from qpass.quant.rac import BLOCK, RACConfig, ceil16
 
 from qpass.backends.onnx.builder import GraphBuilder
 from qpass.backends.onnx.emit import F, nvfp4_activation
@@ -115,7 +115,7 @@ def emit_rac(
     x_hat = b.op("Cast", [nvfp4_activation(b, x2, k_dim, elem_type=F, dtype=BF16, per_token=per_token,
                                            operand_limit=operand_limit)], "x_hat_f", to=F)
     r = b.op("Sub", [x2, x_hat], "residual")
-    k = rac_num_channels(k_dim, cfg.ratio)
+    k = cfg.num_channels(k_dim)
     if cfg.selection == "static":
         if static_channels is None:
             raise ValueError(f"RAC selection 'static' needs calibrated channels at site {site}")

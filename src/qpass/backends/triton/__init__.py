@@ -10,7 +10,8 @@ Public API:
     nvfp4_quantize_triton(x, amax=None, per_token=False) -> NVFP4Tensor   (bit-identical to reference)
     fp8_quantize_triton(x, granularity) -> FP8Tensor, mxfp4_quantize_triton(x) -> MXFP4Tensor
     rac_triton(x, cfg, act_spec, static_channels=None) -> RACResult        (bit-identical to reference)
-    w4a16_linear_triton / w4a4_linear_triton / fp8_linear_triton
+    nvfp4_linear_triton(call) / fp8_linear_triton_call(call): the op kernels (typed calls, qpass.ops.calls)
+    w4a16_linear_triton / w4a4_linear_triton / fp8_linear_triton: keyword conveniences that build the call
     TRITON_KERNELS: spec key -> quantizer;  no_sync_checks(): context for sync-free decode loops
 """
 
@@ -29,19 +30,27 @@ except ImportError as exc:
     ) from exc
 
 from qpass.backends.triton._config import no_sync_checks, sync_checks_enabled
-from qpass.backends.triton.linear import fp8_linear_triton, w4a4_linear_triton, w4a16_linear_triton
+from qpass.backends.triton.linear import (
+    fp8_linear_triton,
+    fp8_linear_triton_call,
+    nvfp4_linear_triton,
+    w4a4_linear_triton,
+    w4a16_linear_triton,
+)
 from qpass.backends.triton.quantize import fp8_quantize_triton, mxfp4_quantize_triton, nvfp4_quantize_triton
 from qpass.backends.triton.rac import rac_run, rac_triton
-from qpass.backends.triton.registry import TRITON_KERNELS, fp8_linear_triton_op, nvfp4_linear_triton
+from qpass.backends.triton.registry import TRITON_KERNELS, fp8_linear_triton_op, nvfp4_linear_triton_op
 
 __all__ = [
     "TRITON_KERNELS",
     "fp8_linear_triton",
+    "fp8_linear_triton_call",
     "fp8_linear_triton_op",
     "fp8_quantize_triton",
     "mxfp4_quantize_triton",
     "no_sync_checks",
     "nvfp4_linear_triton",
+    "nvfp4_linear_triton_op",
     "nvfp4_quantize_triton",
     "rac_run",
     "rac_triton",

@@ -305,7 +305,7 @@ def bench_act_quant(res: Results, cal: dict, budget: Budget, m: int = 16384, k: 
     from qpass.backends.triton import no_sync_checks, nvfp4_quantize_triton, rac_run
     from qpass.formats.spec import NVFP4_ACT
     from qpass.quant.nvfp4 import nvfp4_quantize
-    from qpass.quant.rac import RACConfig, ceil16, rac_num_channels, rac_reference
+    from qpass.quant.rac import RACConfig, ceil16, rac_reference
 
     sec = f"activation quantization ({m}x{k} bf16)"
     dev = _dev()
@@ -337,7 +337,7 @@ def bench_act_quant(res: Results, cal: dict, budget: Budget, m: int = 16384, k: 
     measure("device copy (same bytes)", lambda x: copy_dst.copy_(x), 2 * xb)
     plain = measure("nvfp4 act quant (per-tensor)", lambda x: nvfp4_quantize_triton(x, spec=NVFP4_ACT, check=False), xb + qa_b)
     measure("nvfp4 act quant (per-token)", lambda x: nvfp4_quantize_triton(x, per_token=True, check=False), xb + qa_b)
-    kk = rac_num_channels(k, 0.5)
+    kk = RACConfig(0.5).num_channels(k)
     qr_g = m * ceil16(kk) // 2 + m * ceil16(kk) // 16
     variants = [
         ("gathered", "batch", NVFP4_ACT, qr_g), ("masked", "batch", NVFP4_ACT, qa_b),

@@ -22,7 +22,7 @@ import torch
 from qpass.errors import QuantizationError
 from qpass.formats.spec import FP8Spec, Granularity, NVFP4Spec
 from qpass.quant.nvfp4 import BLOCK, act_operand_limit
-from qpass.quant.rac import RACConfig, rac_num_channels
+from qpass.quant.rac import RACConfig
 from qpass.backends.triton._config import sync_checks_enabled
 from qpass.backends.triton._loader import kernel_lib, wants_interpreter
 from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, fp8_quantize_triton, raise_if_nonfinite
@@ -103,19 +103,22 @@ def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, de
     return out
 
 
-def w4a16_linear_triton(
-    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
-    bias: torch.Tensor | None = None, *, site: str | None = None, out_dtype: torch.dtype | None = None,
-    decode: str | None = None, accumulation: str | None = None, gemv: bool | None = None,
-) -> torch.Tensor:
-    """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``out_dtype or x.dtype``.
+def _call(x, w_codes, w_scales, w_s_dec, bias, act_spec, rac, static_channels, site, out_dtype):
+    from qpass.ops.calls import NVFP4LinearCall
+    from qpass.quant.nvfp4 import NVFP4Tensor
+
+    k = x.shape[-1]
+    codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
+    return NVFP4LinearCall(x=x, weight=NVFP4Tensor.from_parts(codes, scales, sdec.reshape(())), bias=bias, act=act_spec,
+                           rac=rac, rac_channels=static_channels, site=site or "", out_dtype=out_dtype or x.dtype)
+
+
+def nvfp4_linear_triton(call, *, decode: str | None = None, accumulation: str | None = None,
+                        gemv: bool | None = None) -> torch.Tensor:
+    """The Triton kernel of ``qpass::nvfp4_linear``: W4A16, W4A4 or W4A4 + RAC as the call says.
 
     Args:
-        x: bf16 (tensor cores) or fp16/fp32 (exact float32 products) ``[..., K]``.
-        w_codes: uint8 ``[N, K/2]``; w_scales: e4m3 (or uint8 bytes) ``[N, K/16]``; w_s_dec: float32
-            decode global scale (one element).
-        bias: optional ``[N]``.
-        out_dtype: output dtype (default ``x.dtype``; float32 exposes the float32 accumulator).
+        call: the op's typed call (:class:`qpass.ops.calls.NVFP4LinearCall`).
         decode: in-register weight decode, ``"ref"`` (float arithmetic) or ``"lut"`` (per-block
             table + byte permutes; GPU only, same bits); default ``QPASS_NVFP4_DECODE`` or ``"ref"``.
         accumulation: ``"two_level"`` (each K tile summed on the tensor cores, then added to the
@@ -124,14 +127,50 @@ def w4a16_linear_triton(
             Does not apply to the GEMV, which sums in IEEE float32 FMAs.
         gemv: True / False forces / forbids the small-M GEMV (M <= 4 rows, CUDA-core FMAs; same
             error contract as the GEMM, see ``kernels/nvfp4_gemv.py``); None: ``QPASS_NVFP4_GEMV``
-            (``auto``: the GEMV for M <= 4 on CUDA unless ``accumulation`` is ``"mma"``).
+            (``auto``: the GEMV for M <= 4 on CUDA unless ``accumulation`` is ``"mma"``). RAC needs
+            the GEMM's second segment, so it never takes the GEMV.
+    Returns:
+        ``[..., N]`` in ``call.out_dtype``.
+    Source: ``qpass.quant.linear.nvfp4_linear_reference``.
+    """
+    x, w = call.x, call.weight
+    k = x.shape[-1]
+    codes, scales, sdec = _weight_parts(w.codes, w.scales, w.s_dec, k, call.site)
+    x2 = as_rows(x)
+    if call.act is None:
+        y = _gemm(x2, codes, scales, sdec, call.bias, call.out_dtype, decode=decode, accumulation=accumulation, gemv=gemv)
+    else:
+        check_shape(x, "nvfp4_quantize", BLOCK, "activation", call.site)
+        if call.rac is None:  # the reference's plain-W4A4 rule (the call derived rac_k == 0)
+            y = _gemm(_act_quant_xhat(x2, call.act, call.site), codes, scales, sdec, call.bias, call.out_dtype,
+                      decode=decode, accumulation=accumulation, gemv=gemv)
+        else:
+            ops = rac_run(x2, call.rac, call.act, static_channels=call.rac_channels, site=call.site, outputs="gemm",
+                          k=call.rac_k)
+            y = _gemm(ops.x_hat, codes, scales, sdec, call.bias, call.out_dtype, a2=ops.comp, gidx=ops.gather_idx,
+                      decode=decode, accumulation=accumulation)
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def w4a16_linear_triton(
+    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
+    bias: torch.Tensor | None = None, *, site: str | None = None, out_dtype: torch.dtype | None = None,
+    decode: str | None = None, accumulation: str | None = None, gemv: bool | None = None,
+) -> torch.Tensor:
+    """NVFP4-weight, bf16-activation linear ``x [..., K] -> [..., N]`` in ``out_dtype or x.dtype``
+    (:func:`nvfp4_linear_triton` of the W4A16 call).
+
+    Args:
+        x: bf16 (tensor cores) or fp16/fp32 (exact float32 products) ``[..., K]``.
+        w_codes: uint8 ``[N, K/2]``; w_scales: e4m3 (or uint8 bytes) ``[N, K/16]``; w_s_dec: float32
+            decode global scale (one element).
+        bias: optional ``[N]``.
+        out_dtype: output dtype (default ``x.dtype``; float32 exposes the float32 accumulator).
+        decode, accumulation, gemv: as :func:`nvfp4_linear_triton`.
     Source: ``qpass.quant.linear.w4a16_linear_reference``.
     """
-    k = x.shape[-1]
-    codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
-    x2 = as_rows(x)
-    y = _gemm(x2, codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode, accumulation=accumulation, gemv=gemv)
-    return y.reshape(*x.shape[:-1], codes.shape[0])
+    call = _call(x, w_codes, w_scales, w_s_dec, bias, None, None, None, site, out_dtype)
+    return nvfp4_linear_triton(call, decode=decode, accumulation=accumulation, gemv=gemv)
 
 
 def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> torch.Tensor:
@@ -157,7 +196,8 @@ def w4a4_linear_triton(
     static_channels: torch.Tensor | None = None, site: str | None = None, out_dtype: torch.dtype | None = None,
     decode: str | None = None, accumulation: str | None = None, gemv: bool | None = None,
 ) -> torch.Tensor:
-    """W4A4 linear with dynamic NVFP4 activation quantization and optional RAC.
+    """W4A4 linear with dynamic NVFP4 activation quantization and optional RAC
+    (:func:`nvfp4_linear_triton` of the W4A4 call).
 
     Args:
         x: bf16/fp16/fp32 ``[..., K]`` (all leading dims are one forward batch), ``K % 16 == 0``.
@@ -166,24 +206,13 @@ def w4a4_linear_triton(
         rac: residual compensation options (None or 0 channels: plain W4A4).
         static_channels: calibrated channels for ``rac.selection == 'static'``.
         out_dtype: output dtype (default ``x.dtype``).
-        decode, accumulation, gemv: as :func:`w4a16_linear_triton` (the GEMV runs on the decoded
-            ``x_hat``; with RAC the GEMM's second segment is needed, so RAC never takes the GEMV).
+        decode, accumulation, gemv: as :func:`nvfp4_linear_triton`.
     Returns:
         ``[..., N]`` in ``out_dtype or x.dtype``.
     Source: ``qpass.quant.linear.w4a4_linear_reference``.
     """
-    k = x.shape[-1]
-    codes, scales, sdec = _weight_parts(w_codes, w_scales, w_s_dec, k, site)
-    check_shape(x, "nvfp4_quantize", BLOCK, "activation", site)
-    x2 = as_rows(x)
-    if rac is None or rac_num_channels(k, rac.ratio) == 0:  # the reference's plain-W4A4 rule
-        y = _gemm(_act_quant_xhat(x2, act_spec, site), codes, scales, sdec, bias, out_dtype or x.dtype, decode=decode,
-                  accumulation=accumulation, gemv=gemv)
-    else:
-        ops = rac_run(x2, rac, act_spec, static_channels=static_channels, site=site, outputs="gemm")
-        y = _gemm(ops.x_hat, codes, scales, sdec, bias, out_dtype or x.dtype, a2=ops.comp, gidx=ops.gather_idx,
-                  decode=decode, accumulation=accumulation)
-    return y.reshape(*x.shape[:-1], codes.shape[0])
+    call = _call(x, w_codes, w_scales, w_s_dec, bias, act_spec, rac, static_channels, site, out_dtype)
+    return nvfp4_linear_triton(call, decode=decode, accumulation=accumulation, gemv=gemv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,20 +246,37 @@ def fp8_linear_triton(
     x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, *,
     act_spec: FP8Spec, w_spec: FP8Spec, site: str | None = None, backend: str | None = None,
 ) -> torch.Tensor:
-    """FP8 E4M3 W8A8 linear ``x [..., K] -> [..., N]`` in ``x.dtype``.
+    """FP8 E4M3 W8A8 linear ``x [..., K] -> [..., N]`` in ``x.dtype`` (:func:`fp8_linear_triton_call`
+    of the call).
 
     Args:
         x: bf16/fp16/fp32 ``[..., K]``.
         w_data: ``float8_e4m3fn`` ``[N, K]``; w_scale: float32 decode scales of ``w_spec``'s granularity.
         act_spec / w_spec: FP8 specs (activation quantized here with the Triton kernel).
+        backend: as :func:`fp8_linear_triton_call`.
+    Source: ``qpass.quant.linear.fp8_linear_reference``.
+    """
+    from qpass.ops.calls import FP8LinearCall
+    from qpass.quant.fp8 import FP8Tensor
+
+    w = FP8Tensor(data=w_data, scale=w_scale, shape=w_data.shape, orig_dtype=torch.bfloat16, spec=w_spec)
+    call = FP8LinearCall(x=x, weight=w, bias=bias, act=act_spec, site=site or "", out_dtype=x.dtype)
+    return fp8_linear_triton_call(call, backend=backend)
+
+
+def fp8_linear_triton_call(call, *, backend: str | None = None) -> torch.Tensor:
+    """The Triton kernel of ``qpass::fp8_linear`` (:class:`qpass.ops.calls.FP8LinearCall`).
+
+    Args:
+        call: the op's typed call.
         backend: ``"scaled_mm"``, ``"triton"`` (bf16-upcast tensor-core dot, fp32 accumulation),
             ``"triton_fp8"`` (FP8 tensor cores) or None (``QPASS_FP8_GEMM`` env, default: scaled_mm
             when supported, else triton).
     Source: ``qpass.quant.linear.fp8_linear_reference``.
     """
+    x, bias, site = call.x, call.bias, call.site
+    w_data, w_scale, act_spec, w_spec = call.weight.data, call.weight.scale, call.act, call.weight.spec
     k = x.shape[-1]
-    if w_data.shape[-1] != k:
-        raise QuantizationError(f"input has K={k} but the weight has K={w_data.shape[-1]} at site {site}")
     x2 = as_rows(x)
     xq = fp8_quantize_triton(x2, spec=act_spec, check=sync_checks_enabled(x2.device), name="activation", site=site)
     wq = w_data.contiguous()

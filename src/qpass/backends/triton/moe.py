@@ -25,7 +25,7 @@ import torch
 from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4Spec
 from qpass.quant.nvfp4 import NVFP4Tensor
-from qpass.quant.rac import RACConfig, rac_num_channels
+from qpass.quant.rac import RACConfig
 from qpass.backends.triton._loader import kernel_lib
 from qpass.backends.triton.linear import _act_quant_xhat
 from qpass.backends.triton.rac import rac_run
@@ -73,7 +73,7 @@ def grouped_w4a4_triton(
         raise QuantizationError(f"grouped experts support RAC mode 'masked' only, got {rac.mode!r}")
     codes, scales, sdec = stack_experts(weights)
     m, k = x_sorted.shape
-    use_rac = rac is not None and rac_num_channels(k, rac.ratio) > 0
+    use_rac = rac is not None and rac.num_channels(k) > 0
     a = torch.empty(m, k, dtype=torch.bfloat16, device=x_sorted.device)
     a2 = torch.zeros(m, k, dtype=torch.bfloat16, device=x_sorted.device) if use_rac else None
     for e in range(len(offs) - 1):

@@ -24,7 +24,7 @@ import torch
 from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4Spec
 from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, act_operand_limit
-from qpass.quant.rac import RACConfig, RACResult, ceil16, rac_num_channels, topk_channels
+from qpass.quant.rac import RACConfig, RACResult, ceil16, topk_channels
 from qpass.backends.triton._config import sync_checks_enabled
 from qpass.backends.triton._loader import kernel_lib
 from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, raise_if_nonfinite
@@ -69,6 +69,7 @@ def rac_run(
     static_channels: torch.Tensor | None = None,
     site: str | None = None,
     outputs: str = "parity",
+    k: int | None = None,
 ) -> RACOperands:
     """Run the RAC pipeline on ``x [M, K]`` (bf16/fp16/fp32, ``K % 16 == 0``).
 
@@ -79,6 +80,8 @@ def rac_run(
             :class:`RACResult`; ``"gemm"``: only the GEMM operands (``x_hat``, ``comp``, index);
             ``"bytes"``: only the quantized bytes (``qa``, ``qr``, channels, index) in a
             :class:`RACResult` whose ``x_hat``/``comp``/``residual`` are None.
+        k: channels to compensate as the op's call derived them (``NVFP4LinearCall.rac_k``);
+            default ``cfg.num_channels(K)`` (static selection: the number of calibrated channels).
     Raises:
         QuantizationError: bad shape/dtype; with sync checks on: NaN/inf input, out-of-range
             static channels; ``k == 0`` (callers use plain W4A4 then).
@@ -108,8 +111,8 @@ def rac_run(
         if checks and ch.numel() and (int(ch.min()) < 0 or int(ch.max()) >= kd):
             raise QuantizationError(f"static RAC channels out of range [0, {kd}) at site {site}")
         k = ch.numel()
-    else:
-        k = rac_num_channels(kd, cfg.ratio)
+    elif k is None:
+        k = cfg.num_channels(kd)
     if k == 0:
         raise QuantizationError(f"RAC with 0 channels at site {site}: use plain W4A4")
 

@@ -15,12 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from qpass.formats.spec import ALL_SPECS, FP8Spec, Granularity, MXFP4Spec, NVFP4Spec
-from qpass.ops import register_kernel
+from qpass.formats.spec import ALL_SPECS, FP8Spec, MXFP4Spec, NVFP4Spec
+from qpass.ops import FP8_LINEAR, NVFP4_LINEAR, FP8LinearCall, NVFP4LinearCall, register_kernel
 from qpass.tables import QUANTIZE_OP, kernel, register
-from qpass.quant.nvfp4 import nvfp4_act_spec
-from qpass.quant.rac import RACConfig
-from qpass.backends.triton.linear import fp8_linear_triton, w4a4_linear_triton, w4a16_linear_triton
+from qpass.backends.triton.linear import fp8_linear_triton_call, nvfp4_linear_triton
 from qpass.backends.triton.quantize import fp8_quantize_triton, mxfp4_quantize_triton, nvfp4_quantize_triton
 
 
@@ -44,44 +42,13 @@ TRITON_KERNELS: dict[str, Callable[..., object]] = {
 }
 
 
-@register_kernel("qpass::nvfp4_linear", "triton", NVFP4Spec)
-def nvfp4_linear_triton(
-    x: torch.Tensor,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    w_s_dec: torch.Tensor,
-    bias: torch.Tensor | None,
-    site: str,
-    act: str,
-    rac_ratio: float,
-    rac_mode: str,
-    rac_selection: str,
-    rac_channels: torch.Tensor | None,
-) -> torch.Tensor:
-    """``qpass::nvfp4_linear`` on the Triton kernels: ``act='none'`` -> W4A16, else W4A4 (+RAC)."""
-    if act == "none":
-        return w4a16_linear_triton(x, w_codes, w_scales, w_s_dec, bias, site=site)
-    rac = RACConfig(rac_ratio, rac_mode, rac_selection) if rac_ratio > 0 else None
-    return w4a4_linear_triton(
-        x, w_codes, w_scales, w_s_dec, bias, act_spec=nvfp4_act_spec(act == "nvfp4_per_token"), rac=rac,
-        static_channels=rac_channels, site=site,
-    )
+@register_kernel(NVFP4_LINEAR, "triton")
+def nvfp4_linear_triton_op(call: NVFP4LinearCall) -> torch.Tensor:
+    """``qpass::nvfp4_linear`` on the Triton kernels (:func:`~qpass.backends.triton.linear.nvfp4_linear_triton`)."""
+    return nvfp4_linear_triton(call)
 
 
-@register_kernel("qpass::fp8_linear", "triton", FP8Spec)
-def fp8_linear_triton_op(
-    x: torch.Tensor,
-    w_data: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    site: str,
-    act_granularity: str,
-    w_granularity: str,
-) -> torch.Tensor:
+@register_kernel(FP8_LINEAR, "triton")
+def fp8_linear_triton_op(call: FP8LinearCall) -> torch.Tensor:
     """``qpass::fp8_linear`` on the Triton backend (``torch._scaled_mm`` where its layout allows)."""
-    return fp8_linear_triton(
-        x, w_data, w_scale, bias,
-        act_spec=FP8Spec(role="activation", granularity=Granularity(act_granularity)),
-        w_spec=FP8Spec(role="weight", granularity=Granularity(w_granularity)),
-        site=site,
-    )
+    return fp8_linear_triton_call(call)

@@ -1,0 +1,180 @@
+"""The rollout linear ops, declared once: schemas, reference kernels, ``rollout_lower`` entries.
+
+Ops (namespace ``qpass``; each survives ``torch.export`` as one node with its fake kernel):
+
+* ``qpass::nvfp4_linear(x, w_codes, w_scales, w_s_dec, bias?, site, act, rac_ratio, rac_mode,
+  rac_selection, rac_channels?)``: the NVFP4 rollout linear; kernels receive a
+  :class:`~qpass.ops.calls.NVFP4LinearCall` (``act='none'`` W4A16, ``'nvfp4'`` / ``'nvfp4_per_token'``
+  W4A4, ``rac_ratio > 0`` residual activation compensation).
+* ``qpass::fp8_linear(x, w_data, w_scale, bias?, site, act_granularity, w_granularity)``: W8A8 FP8
+  E4M3 (:class:`~qpass.ops.calls.FP8LinearCall`).
+* ``qpass::mxfp4_linear(x, w_codes, w_scales, bias?, site)``: MXFP4 weight-only
+  (:class:`~qpass.ops.calls.MXFP4LinearCall`).
+
+Semantics: :mod:`qpass.quant.linear`. The ``reference`` kernels (plain torch, CPU/CUDA) are
+registered here; other backends register theirs with :func:`qpass.ops.schema.register_kernel` when
+their module is imported (core never imports a backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4Spec, QuantSpec
+from qpass.ops.calls import FP8LinearCall, MXFP4LinearCall, NVFP4LinearCall
+from qpass.ops.schema import Arg, OpSchema, register_kernel
+from qpass.quant.fp8 import fp8_dequantize
+from qpass.quant.linear import fp8_linear_reference, mxfp4_linear_reference, nvfp4_linear_reference
+from qpass.quant.mxfp4 import mxfp4_dequantize
+from qpass.quant.nvfp4 import nvfp4_dequantize
+from qpass.tables import register
+
+# The rollout NVFP4/MXFP4 ops multiply weights decoded to this dtype (SPEC §3 dequant: bf16_rne),
+# whatever the model dtype; the parity checker compares the learner's operand against it.
+WEIGHT_OPERAND_DTYPE = torch.bfloat16
+
+NVFP4_LINEAR = OpSchema(
+    "qpass::nvfp4_linear",
+    (Arg("x", "Tensor"), Arg("w_codes", "Tensor"), Arg("w_scales", "Tensor"), Arg("w_s_dec", "Tensor"),
+     Arg("bias", "Tensor?"), Arg("site", "str"), Arg("act", "str"), Arg("rac_ratio", "float"), Arg("rac_mode", "str"),
+     Arg("rac_selection", "str"), Arg("rac_channels", "Tensor?")),
+    call=NVFP4LinearCall, spec_type=NVFP4Spec, out_features="w_codes",
+    doc="NVFP4 rollout linear x [..., K] -> [..., N] (qpass.ops.calls.NVFP4LinearCall).",
+)
+FP8_LINEAR = OpSchema(
+    "qpass::fp8_linear",
+    (Arg("x", "Tensor"), Arg("w_data", "Tensor"), Arg("w_scale", "Tensor"), Arg("bias", "Tensor?"), Arg("site", "str"),
+     Arg("act_granularity", "str"), Arg("w_granularity", "str")),
+    call=FP8LinearCall, spec_type=FP8Spec, out_features="w_data",
+    doc="FP8 E4M3 W8A8 rollout linear x [..., K] -> [..., N] (qpass.ops.calls.FP8LinearCall).",
+)
+MXFP4_LINEAR = OpSchema(
+    "qpass::mxfp4_linear",
+    (Arg("x", "Tensor"), Arg("w_codes", "Tensor"), Arg("w_scales", "Tensor"), Arg("bias", "Tensor?"), Arg("site", "str")),
+    call=MXFP4LinearCall, spec_type=MXFP4Spec, out_features="w_codes",
+    doc="MXFP4 weight-only rollout linear x [..., K] -> [..., N] (qpass.ops.calls.MXFP4LinearCall).",
+)
+LINEAR_OPS: tuple[OpSchema, ...] = (NVFP4_LINEAR, FP8_LINEAR, MXFP4_LINEAR)
+
+nvfp4_linear = NVFP4_LINEAR.define()
+fp8_linear = FP8_LINEAR.define()
+mxfp4_linear = MXFP4_LINEAR.define()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoded-weight cache for the reference backend: a weight buffer is decoded once per version.
+# Keyed by storage addresses; an entry is valid only while it still refers to the *same* tensor
+# objects (weak references) at the same in-place versions, so a freed-and-reused address or an
+# in-place weight sync can never serve a stale decode.
+_WHAT_CACHE: "OrderedDict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor]]" = OrderedDict()
+# Must hold every lowered site of a model, else each decode step re-decodes every weight (LRU thrash):
+# the upcycled MoE default has 840 sites (720 experts).
+_WHAT_CACHE_MAX = 1024
+
+
+def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Memoise ``make()`` (a decoded weight) on the identity and in-place version of ``parts``."""
+    import weakref
+
+    key = tuple(t.data_ptr() for t in parts)
+    versions = tuple(t._version for t in parts)
+    hit = _WHAT_CACHE.get(key)
+    if hit is not None:
+        refs, vers, val = hit
+        if vers == versions and all(r() is t for r, t in zip(refs, parts)):
+            _WHAT_CACHE.move_to_end(key)
+            return val
+    val = make()
+    _WHAT_CACHE[key] = (tuple(weakref.ref(t) for t in parts), versions, val)
+    _WHAT_CACHE.move_to_end(key)
+    if len(_WHAT_CACHE) > _WHAT_CACHE_MAX:
+        _WHAT_CACHE.popitem(last=False)
+    return val
+
+
+@register_kernel(NVFP4_LINEAR, "reference")
+def nvfp4_linear_ref(call: NVFP4LinearCall) -> torch.Tensor:
+    """Reference kernel of ``qpass::nvfp4_linear`` (the decoded weight cached per weight version)."""
+    w = call.weight
+    # cached as float32 (exact: the decoded values are bf16) so each call skips the conversion
+    w_hat = cached_weight((w.codes, w.scales, w.s_dec), lambda: nvfp4_dequantize(w, WEIGHT_OPERAND_DTYPE).float())
+    return nvfp4_linear_reference(call, w_hat=w_hat)
+
+
+@register_kernel(MXFP4_LINEAR, "reference")
+def mxfp4_linear_ref(call: MXFP4LinearCall) -> torch.Tensor:
+    """Reference kernel of ``qpass::mxfp4_linear``."""
+    w = call.weight
+    return mxfp4_linear_reference(call, w_hat=cached_weight((w.codes, w.scales), lambda: mxfp4_dequantize(w, torch.bfloat16)))
+
+
+@register_kernel(FP8_LINEAR, "reference")
+def fp8_linear_ref(call: FP8LinearCall) -> torch.Tensor:
+    """Reference kernel of ``qpass::fp8_linear``."""
+    w = call.weight
+    return fp8_linear_reference(call, w_deq=cached_weight((w.data, w.scale), lambda: fp8_dequantize(w, torch.float32)))
+
+
+# ---------------------------------------------------------------------------------------------
+# ``rollout_lower`` entries: how a linear whose weight has spec S becomes one of the ops above.
+@dataclasses.dataclass(frozen=True)
+class RolloutLowering:
+    """How the rollout graph carries a weight spec type.
+
+    Attributes:
+        schema: the rollout op (:class:`~qpass.ops.schema.OpSchema`); its call class gives the option
+            arguments of a lowered site (``schema.call.lowering_args(weight spec, act spec, site)``).
+        lower_pass: the recipe pass that emits it by default.
+        k_multiple: in_features must be a multiple of this (the block size along K).
+        constants: ``quantized weight -> {name: tensor}``: the graph constants of one site, in order.
+        constant_args: constant name -> op argument it feeds, in op order; constants not listed
+            are kept as buffers only (NVFP4 ``s_enc``: exported, never read by the op).
+        served_format: ``qpass.runtime.served.ServedSite.format`` of such a site (its tensors are
+            the ``constant_args`` constants, in order).
+    """
+
+    schema: OpSchema
+    lower_pass: str
+    k_multiple: int
+    constants: Callable[[Any], dict[str, torch.Tensor]]
+    constant_args: Mapping[str, str]
+    served_format: str
+
+    @property
+    def op(self) -> str:
+        """``qpass::<op>``."""
+        return self.schema.name
+
+    def op_overload(self) -> Any:
+        """``torch.ops.qpass.<name>.default``."""
+        return self.schema.overload()
+
+    def option_args(self, weight: QuantSpec, act: QuantSpec | None, site: str = "") -> dict[str, Any]:
+        """The op's non-tensor arguments (and ``None`` tensor options) of a freshly lowered site.
+
+        Raises:
+            QpassError: the op cannot carry ``act`` (names the site).
+        """
+        return self.schema.call.lowering_args(weight, act, site)
+
+
+register("rollout_lower", NVFP4Spec, claim=True)(RolloutLowering(
+    NVFP4_LINEAR, lower_pass="w4a4_lower", k_multiple=16,
+    constants=lambda q: {"codes": q.codes, "scales": q.scales, "s_dec": q.s_dec, "s_enc": q.s_enc},
+    constant_args={"codes": "w_codes", "scales": "w_scales", "s_dec": "w_s_dec"}, served_format="nvfp4",
+))
+register("rollout_lower", MXFP4Spec, claim=True)(RolloutLowering(
+    MXFP4_LINEAR, lower_pass="mxfp4_lower", k_multiple=32,
+    constants=lambda q: {"codes": q.codes, "scales": q.scales},
+    constant_args={"codes": "w_codes", "scales": "w_scales"}, served_format="mxfp4",
+))
+register("rollout_lower", FP8Spec, claim=True)(RolloutLowering(
+    FP8_LINEAR, lower_pass="fp8_lower", k_multiple=1,
+    constants=lambda q: {"data": q.data, "scale": q.scale},
+    constant_args={"data": "w_data", "scale": "w_scale"}, served_format="fp8",
+))
