@@ -404,6 +404,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-s", type=float, default=60.0)
     ap.add_argument("--with-e2e", type=float, default=0.0, help="seconds for the end-to-end section after the kernels")
     ap.add_argument("--with-rollout", type=float, default=0.0, help="seconds for the GRPO sample-phase section")
+    ap.add_argument("--with-e2e-large", type=float, default=60.0, help="seconds for the end-to-end batches > 16 (run last)")
     ap.add_argument("--e2e-models", default="all")
     ap.add_argument("--e2e-batches", default="1,16,64")
     args = ap.parse_args(argv)
@@ -459,13 +460,24 @@ def main(argv=None) -> int:
     rep["bound_checks"] = checks
     for c in checks:
         print(json.dumps(c), flush=True)
-    rep["prefill"] = prefill_timings([(4096, 4096), (14336, 4096), (4096, 14336)], 4096, args.prefill_s)
+    def save():  # after every section: a timed-out call still brings back what was measured
+        (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
+    save()
     rep["timings"] = timings([(4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (192, 576), (1536, 576), (576, 1536)],
-                             [1, 16], args.budget_s - (time.time() - t0))
+                             [1, 16], args.budget_s)
+    save()
+    batches = tuple(int(b) for b in args.e2e_batches.split(","))
+    if args.with_e2e:
+        rep["e2e"] = e2e(args.with_e2e, args.e2e_models, tuple(b for b in batches if b <= 16))
+        save()
     if args.with_rollout:
         rep["rollout_phase"] = rollout_phase(args.with_rollout)
-    if args.with_e2e:
-        rep["e2e"] = e2e(args.with_e2e, args.e2e_models, tuple(int(b) for b in args.e2e_batches.split(",")))
+        save()
+    rep["prefill"] = prefill_timings([(4096, 4096), (14336, 4096), (4096, 14336)], 4096, args.prefill_s)
+    save()
+    if args.with_e2e and any(b > 16 for b in batches):
+        rep["e2e"] += e2e(args.with_e2e_large, args.e2e_models, tuple(b for b in batches if b > 16))
+        save()
     rep["ok"] = all(e["mismatches"] == 0 for e in rep["exhaustive"]) and all(c["ok"] for c in checks) \
         and all(c["ok"] for c in acts)
     rep["wall_s"] = time.time() - t0
