@@ -71,7 +71,7 @@ class LogprobGapCheck(pydantic.BaseModel):
     max_new_tokens: int = pydantic.Field(24, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = pydantic.Field(1.0, gt=0.0)
     top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: int = pydantic.Field(0, ge=0, le=2**63 - 1)
     max_abs_gap: float | None = pydantic.Field(None, gt=0.0, description="fail if mean |d| exceeds this")
 
     @pydantic.field_validator("prompts")
