@@ -453,6 +453,7 @@ def tiny_cli(tiny_pipeline, monkeypatch):
     pipe = dataclasses.replace(tiny_pipeline, loaded=loaded)
     monkeypatch.setattr(gm, "load_model", lambda *a, **k: loaded)
     monkeypatch.setattr(Pipeline, "prepare", classmethod(lambda cls, *a, **k: pipe))
+    monkeypatch.setattr("qpass.apps.validate.check_model_ref", lambda *a, **k: None)  # 'tiny' is no path
     return ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
             "--n-train", "24", "--n-eval", "4", "--eval-prompts", "4", "--eval-every", "2", "--diag-every", "2",
             "--lr", "1e-3", "--reward", "tests.test_grpo:text_hash_reward", "--no-progress", "--no-plots"]

@@ -92,7 +92,7 @@ def test_cli_bad_inputs_exit_2_and_leave_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nrollout:\n  - pass: w4a4_lower\n    act: fp4\n")
     assert cli_main(["apply", str(bad), "--out", str(tmp_path / "o")]) == 2
-    assert "bad.yaml:3:" in capsys.readouterr().err
+    assert "bad.yaml:4: pass 'w4a4_lower': act:" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     assert cli_main(["aply"]) == 2 and "did you mean 'apply'" in capsys.readouterr().err
 

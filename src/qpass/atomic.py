@@ -27,7 +27,7 @@ from pathlib import Path
 
 from qpass.errors import QpassError
 
-__all__ = ["AtomicDir", "OutputBusy", "atomic_dir", "check_output_path", "current_umask", "write_atomic"]
+__all__ = ["AtomicDir", "OutputBusy", "atomic_dir", "check_output_file", "check_output_location", "check_output_path", "current_umask", "write_atomic"]
 
 
 def current_umask() -> int:
@@ -73,9 +73,11 @@ def check_output_path(final: str | Path, *, force: bool = False, marker: str = "
         QpassError: ``final`` is a symbolic link (dangling or not: the rename at the end would
             replace the link, not write where it points); it exists and ``force`` is False; it
             exists and is not replaceable (a file, or a non-empty directory without ``marker``);
-            its parent is a file.
+            its parent is a file; its name is too long for the file system; no file can be created
+            where it would go (read-only, a pseudo file system such as /proc, no permission).
     """
     final = Path(final)
+    _check_name_lengths(final, "output path")  # first: stat() itself fails on an over-long name
     if final.is_symlink():
         target = os.readlink(final)
         state = "a dangling symbolic link" if not final.exists() else "a symbolic link"
@@ -96,6 +98,75 @@ def check_output_path(final: str | Path, *, force: bool = False, marker: str = "
             if not p.is_dir():
                 raise QpassError(f"output path {final}: {p} is not a directory")
             break
+    _check_writable(final, "output path")
+
+
+#: Room a sibling name needs beyond the output's own name (``.NAME.partial-XXXXXXXX``, ``.NAME.qpass-lock``).
+_SIBLING_ROOM = 18
+NAME_MAX = 255  # bytes per path component on Linux file systems (ext4, xfs, btrfs, tmpfs)
+
+
+def _check_name_lengths(final: Path, what: str) -> None:
+    """Every component of ``final`` fits :data:`NAME_MAX` bytes, the last one with room for the
+    temp / lock siblings (checked lexically: ``stat`` of an over-long name raises ENAMETOOLONG)."""
+    for i, part in enumerate(final.parts):
+        room = _SIBLING_ROOM if i == len(final.parts) - 1 else 0
+        if len(os.fsencode(part)) + room > NAME_MAX:
+            raise QpassError(f"{what} {str(final)[:60]}...: the name {part[:24]!r}... is {len(os.fsencode(part))} bytes, "
+                             f"more than a file system allows here (at most {NAME_MAX - room})")
+
+
+def _check_writable(final: Path, what: str) -> None:
+    """A file can be created where ``final`` goes: probed with a temp file in its nearest existing
+    ancestor, removed at once (permission bits, read-only mounts and pseudo file systems alike).
+
+    Raises:
+        QpassError: naming the path and the reason.
+    """
+    anc = next((p for p in final.parents if p.exists()), Path("."))
+    try:
+        fd, probe = tempfile.mkstemp(dir=anc, prefix=".qpass-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise QpassError(f"{what} {final}: cannot create files in {anc} ({exc.strerror or exc})") from None
+
+
+def check_output_location(path: str | Path, flag: str) -> None:
+    """Validate a directory files will be written into (existing or to be created), e.g.
+    ``--checkpoint-dir``, before any work.
+
+    Raises:
+        QpassError: ``{flag} PATH``: it or a parent is a file, a name too long, or a location where
+            no file can be created.
+    """
+    path = Path(path)
+    _check_name_lengths(path, flag)
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise QpassError(f"{flag} {path}: {p} exists and is not a directory")
+            break
+    _check_writable(path / ".qpass-write-probe", flag)
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """Validate the path of an output *file* (``--json``, a plot, a benchmark record) before any work.
+
+    Raises:
+        QpassError: ``{flag} PATH``: an existing directory, a parent that is a file, a name too
+            long, or a location where no file can be created.
+    """
+    path = Path(path)
+    _check_name_lengths(path, flag)
+    if path.is_dir():
+        raise QpassError(f"{flag} {path} is a directory; give a file path")
+    for p in path.parents:
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise QpassError(f"{flag} {path}: {p} is not a directory")
+            break
+    _check_writable(path, flag)
 
 
 def _identity(p: Path) -> tuple[int, int] | None:

@@ -50,6 +50,23 @@ class PassOptions(pydantic.BaseModel):
     exclude: list[str] = list(DEFAULT_EXCLUDE)
     expect_matches: int = pydantic.Field(1, ge=0, description="fail if fewer sites match (0 disables)")
 
+    @pydantic.field_validator("targets", "exclude")
+    @classmethod
+    def _patterns_compile(cls, v: list[str]) -> list[str]:
+        """Site patterns are globs or ``re:REGEX``: a regex that does not compile, or an empty
+        pattern, is refused with the recipe (not when the pass first matches sites, after capture)."""
+        import re
+
+        for pat in v:
+            if not pat:
+                raise ValueError("an empty site pattern matches nothing")
+            if pat.startswith("re:"):
+                try:
+                    re.compile(pat[3:])
+                except re.error as exc:
+                    raise ValueError(f"pattern {pat!r} is not a valid regular expression: {exc}") from None
+        return v
+
 
 @dataclasses.dataclass
 class PassResult:

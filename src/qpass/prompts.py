@@ -7,6 +7,11 @@ import json
 from collections.abc import Sequence
 
 
+def probe_set_size() -> int:
+    """How many prompts the built-in probe set holds (the most any ``--prompts`` may ask for)."""
+    return len(probe_prompts())
+
+
 def probe_prompts(n: int | None = None) -> list[str]:
     """The first ``n`` built-in probe prompts (all if None).
 

@@ -29,6 +29,7 @@ from qpass.apps.console import print_passes, print_summary
 from qpass.apps.options import ApplyOptions, add_common_args, gap_options
 from qpass.apps.parity_checks import PARITY_CHECKS, BehaviorProbe, CheckContext, run_checks
 from qpass.apps.report import build_report, site_counts, uncaptured_linears, write_report
+from qpass.apps.validate import check_model_ref
 from qpass.atomic import atomic_dir
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
@@ -106,6 +107,8 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
     t_all = time.perf_counter()
     recipe = load_recipe(recipe_ref)  # validate before any long work
     gopt = gap_options(recipe, o)
+    if pipeline is None:
+        check_model_ref(o.model)
     if o.batch_size < 1:
         raise QpassError(f"--batch-size must be >= 1, got {o.batch_size}")
     if o.device == "cuda" and not torch.cuda.is_available():
@@ -253,7 +256,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
 
 def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     """The ``qpass apply`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose, pos_int
+    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose, pos_int, seed_int
 
     ap = argparse.ArgumentParser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report")
     ap.add_argument("recipe", help="recipe YAML path or built-in name (see `qpass recipes`)")
@@ -262,7 +265,7 @@ def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int, help="probe prompts (overrides the recipe's logprob_gap check; validated by it)")
     ap.add_argument("--samples", type=int, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int)
-    ap.add_argument("--seed", type=int)
+    ap.add_argument("--seed", type=seed_int)
     ap.add_argument("--batch-size", type=pos_int, default=16, help="static rollout batch (rows per generate call)")
     ap.add_argument("--no-floor", action="store_true", help="skip the BF16 engine-drift floor")
     ap.add_argument("--no-behavioral", action="store_true", help="skip sampling (structural and bit-level checks only)")

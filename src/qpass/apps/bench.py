@@ -18,13 +18,13 @@ import argparse
 
 def build_bench_parser(prog: str = "qpass bench") -> argparse.ArgumentParser:
     """The ``qpass bench`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_threads, add_verbose, nonneg_float, pos_float
+    from qpass.apps.cliutil import add_threads, add_verbose, nonneg_float, pos_float, seed_int
 
     ap = argparse.ArgumentParser(prog=prog, description="Triton kernel benchmarks: ratios against baselines timed in the same run")
     ap.add_argument("--quick", action="store_true", help="CPU interpreter, tiny shapes, correctness only (< 1 min)")
     ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md)")
     ap.add_argument("--budget-s", type=pos_float, default=300.0, help="wall-clock budget of the full benchmark, seconds")
-    ap.add_argument("--seed", type=int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
+    ap.add_argument("--seed", type=seed_int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
     ap.add_argument("--gemv-only", action="store_true",
                     help="only the decode M <= 4 grid (small-M GEMV vs the GEMM path, BF16, FP8, INT4 peers)")
     ap.add_argument("--e2e-only", action="store_true",
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         MissingDependencyError: triton is not installed (the CLI prints the install hint, exit 2).
     """
     a = build_bench_parser().parse_args(argv)
+    if a.out is not None:
+        from qpass.atomic import check_output_file
+
+        check_output_file(a.out, "--out")  # before the benchmark, not when its first result is written
     from qpass.backends.triton import bench  # needs triton: MissingDependencyError names the extra
 
     if a.threads:

@@ -40,6 +40,7 @@ from qpass.apps.artifacts import (
 from qpass.apps.console import console, print_check_problems
 from qpass.apps.options import ApplyOptions, add_common_args
 from qpass.apps.parity_checks import BehaviorProbe, CheckContext, run_checks
+from qpass.apps.validate import check_model_ref, check_report_fields
 from qpass.errors import QpassError, RecipeError
 from qpass.recipe import load_recipe, parse_recipe
 
@@ -50,8 +51,9 @@ def _read_report(path: Path) -> dict[str, Any]:
     try:
         rep = json.loads((path / "report.json").read_text())
         rep["recipe"]["text"], rep["parity"]["probe"]["rollout_batch"], rep["parity"]["probe"]["max_len"]  # noqa: B018
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise QpassError(f"{path / 'report.json'} is not a readable qpass report ({type(exc).__name__}: {exc})") from exc
+    check_report_fields(rep, str(path / "report.json"))
     return rep
 
 
@@ -76,6 +78,8 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
 
     con = console()
     path = Path(target)
+    if pipeline is None and o.model != "default":
+        check_model_ref(o.model)
     if path.is_dir() and not (path / "report.json").is_file():
         raise QpassError(f"{path} is not a `qpass apply` output directory (no report.json); "
                          "qpass check takes such a directory or a recipe")
@@ -107,7 +111,9 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
         elif checksums:
             con.print("checksums: report.json records none (written by an older qpass); comparing tensors only")
         recipe = parse_recipe(rep["recipe"]["text"], str(path / "rollout" / "recipe.yaml"))
-        model = o.model if o.model != "default" else rep.get("model", {}).get("ref", "default")
+        model = o.model if o.model != "default" else (rep.get("model") or {}).get("ref") or "default"
+        if pipeline is None:
+            check_model_ref(model, "--model" if o.model != "default" else f"{path / 'report.json'} model.ref")
     else:
         try:
             recipe = load_recipe(target)
@@ -214,6 +220,10 @@ def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
 
 def main_check(argv: list[str] | None = None) -> int:
     a = build_check_parser().parse_args(argv)
+    if a.json:
+        from qpass.atomic import check_output_file
+
+        check_output_file(a.json, "--json")  # before the check, not after it
     if a.threads:
         import torch
 

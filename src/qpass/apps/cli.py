@@ -13,8 +13,9 @@ Shared flags: -v/--verbose (debug logging), --threads N, --dtype bf16|fp16|fp32,
 (replace an output only if it is empty or a previous output of that command).
 
 Exit status: 0 ok, 1 a parity check failed, 2 bad input (recipe, model path, flags, output path,
-artifacts), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); outputs are written atomically, so
-an interrupted run leaves no partial output directory.
+artifacts), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 70 an internal error (a bug: the
+traceback is printed); outputs are written atomically, so an interrupted run leaves no partial
+output directory.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qpass`` console script (logging set up here, once; exit codes: cliutil)."""
-    from qpass.apps.cliutil import EXIT_BAD_INPUT, configure_logging, exit_status, verbosity
+    from qpass.apps.cliutil import EXIT_BAD_INPUT, EXIT_INTERNAL, configure_logging, exit_status, verbosity
 
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -166,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     except QpassError as exc:
         print(f"qpass: error: {exc}", file=sys.stderr)
         return exit_status(exc)
+    except Exception as exc:  # noqa: BLE001 - a bug, not bad input: show it, but never as exit 1 (a parity failure)
+        import traceback
+
+        traceback.print_exc()
+        print(f"qpass: internal error ({type(exc).__name__}: {exc}); this is a bug in qpass, please report it "
+              f"with the command line (exit status {EXIT_INTERNAL})", file=sys.stderr)
+        return EXIT_INTERNAL
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

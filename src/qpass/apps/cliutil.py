@@ -8,7 +8,11 @@ Exit status (one map for every subcommand):
 2    bad input: recipe, model path, flags, output path, missing or corrupt artifacts
 130  interrupted (Ctrl-C); no partial output directory is left behind
 143  terminated (SIGTERM); likewise
+70   internal error: an exception that is not bad input (a bug in qpass); the traceback is printed
 ==== ==========================================================================================
+
+Bad input never shows a traceback and is refused before any heavy work (model load, capture,
+training): the checks of :mod:`qpass.apps.validate`, the strict recipe loader, argparse types.
 
 Shared flags are defined here once (:func:`add_threads`, :func:`add_dtype`, :func:`add_force`,
 :func:`add_verbose`) and added by each subcommand's parser. Logging is configured once, by the
@@ -26,7 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "ROLLOUT_ENGINES", "add_dtype", "add_force", "add_rollout_engine",
+__all__ = ["SEED_MAX", "bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "seed_int", "EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "ROLLOUT_ENGINES", "add_dtype", "add_force", "add_rollout_engine",
            "add_threads", "add_verbose", "configure_logging", "exit_status", "verbosity"]
 
 EXIT_OK = 0
@@ -34,6 +38,7 @@ EXIT_PARITY = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE
 
 NOISY_LOGGERS = ("torch.utils._pytree", "torchao", "transformers")
 
@@ -76,6 +81,22 @@ def bounded(cast: type, lo: int, strict: bool) -> Callable[[str], Any]:
         return v
 
     return parse
+
+
+#: The largest seed (torch generators take 64-bit seeds; qpass derives per-step seeds from it).
+SEED_MAX = 2**63 - 1
+
+
+def seed_int(s: str) -> int:
+    """An argparse type: a seed, an integer in ``[0, 2^63 - 1]`` (a larger one overflows torch's
+    generator after the model load)."""
+    try:
+        v = int(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2^63 - 1], got {s!r}") from exc
+    if not 0 <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2^63 - 1], got {v}")
+    return v
 
 
 pos_int = bounded(int, 1, strict=False)

@@ -96,7 +96,7 @@ def sites_from_quant_config(cfg: dict[str, Any], source: Path) -> dict[str, Roll
             if d.get("act_spec") not in ACT_OF_SPEC or d.get("act_spec") is None:
                 raise QpassError(f"{source}: activation-only site {s} has an unknown activation spec {d.get('act_spec')!r}")
             out[s] = RolloutSite(s, d["group"], ACT_OF_SPEC[d["act_spec"]], None, weight="none")
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, QpassError):
             raise
         raise QpassError(f"{source}: not a qpass rollout quantization config ({type(exc).__name__}: {exc})") from exc
@@ -172,6 +172,7 @@ def export_checkpoint(
         QpassError: bad output path (an existing non-export directory, a symlink ...), a missing or
             corrupt apply file (named), unknown format, a non-NVFP4 rollout, and the format's checks.
     """
+    from qpass.apps.validate import check_export_recipe, check_model_ref, check_probe_count
     from qpass.atomic import check_output_path
     from qpass.graph.model import load_model
     from qpass.pipeline import DTYPES
@@ -182,6 +183,8 @@ def export_checkpoint(
     if fmt not in CHECKPOINT_FORMATS:
         raise QpassError(f"unknown --format {fmt!r}; known: {sorted(CHECKPOINT_FORMATS)}")
     check_output_path(out, force=force, marker=RECORD)  # before any model load
+    check_probe_count(calibration_prompts, "--calibration-prompts")
+    check_export_recipe(recipe, fmt)
     if src is not None and model is not None and not is_apply_dir(Path(src)):
         raise QpassError(f"give the model once: SRC {src!r} or --model {model!r}")
     apply_dir = Path(src) if src is not None and is_apply_dir(Path(src)) else None
@@ -197,6 +200,8 @@ def export_checkpoint(
         qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
         qcfg = _read_json(qcfg_path, "the rollout quantization config")
         m = report.get("model") or {}
+        if not isinstance(m, dict):
+            raise QpassError(f"{apply_dir / 'report.json'}: 'model' must be an object, got {m!r}")
         model_ref = model_ref or m.get("ref")
         if not model_ref:
             raise QpassError(f"{apply_dir / 'report.json'} names no model (model.ref); pass --model")
@@ -215,9 +220,13 @@ def export_checkpoint(
     elif model_ref is None:
         raise QpassError("nothing to export: give an apply output DIR, a model (SRC or --model), or --recipe R --model M")
     dtype = dtype or "bf16"
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise QpassError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
     tdtype = DTYPES[dtype]
+    where = "--model" if model is not None else "SRC" if apply_dir is None else f"{apply_dir / 'report.json'} model.ref"
+    if not isinstance(model_ref, str):
+        raise QpassError(f"{where} must name a model (a string), got {model_ref!r}")
+    check_model_ref(model_ref, where)
     lm = load_model(model_ref, dtype=tdtype)
     if masters is not None:
         record["masters"] = {"file": str(masters), "tensors": _load_masters_into(lm.model, masters)}

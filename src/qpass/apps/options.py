@@ -53,7 +53,7 @@ def gap_options(recipe: Recipe, o: ApplyOptions) -> LogprobGapCheck:
         for e in exc.errors():
             field = str(e["loc"][0]) if e["loc"] else "?"
             flag = GAP_OVERRIDES.get(field, field) if field in upd else f"recipe logprob_gap.{field}"
-            msgs.append(f"{flag} {e.get('input')!r}: {e['msg']}")
+            msgs.append(f"{flag} {e.get('input')!r}: {e['msg'].removeprefix('Value error, ')}")
         raise RecipeError("; ".join(msgs)) from None
 
 

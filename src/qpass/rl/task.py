@@ -123,6 +123,19 @@ class ArithmeticConfig:
         if self.n_train < 0 or self.n_eval < 0:
             raise ValueError(f"n_train and n_eval must be >= 0, got {self.n_train}, {self.n_eval}")
 
+    def n_distinct(self) -> int:
+        """How many distinct problems (expression texts) this config can produce: ``v`` operand
+        values (10 for one digit, ``9 * 10^(d-1)`` for ``d >= 2``, summed over ``digits``), then
+        ``sum_n v^n |ops|^(n-1)`` expressions (arithmetic), ``v`` (successor) or ``v (v - 1)``
+        ordered pairs of different operands (larger)."""
+        v = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in range(self.digits[0], self.digits[1] + 1))
+        if self.kind == "successor":
+            return v
+        if self.kind == "larger":
+            return v * (v - 1)
+        ops = len(set(self.operators))
+        return sum(v**n * ops ** (n - 1) for n in range(self.n_operands[0], self.n_operands[1] + 1))
+
 
 def difficulty_preset(level: int, **overrides: Any) -> ArithmeticConfig:
     """A config for difficulty ``level`` 1-4 (``overrides`` replace fields, e.g. ``seed=3``).
@@ -303,6 +316,10 @@ class ArithmeticTask:
     def __init__(self, cfg: ArithmeticConfig | None = None, *, max_attempts_factor: int = 50) -> None:
         self.cfg = cfg or ArithmeticConfig()
         need = self.cfg.n_eval + self.cfg.n_train
+        if need > (space := self.cfg.n_distinct()):  # refused at once, not after max_attempts_factor * need draws
+            raise ValueError(f"could only draw {space} unique problems of the {need} requested (n_eval={self.cfg.n_eval} + "
+                             f"n_train={self.cfg.n_train}): {self.cfg} has only {space} distinct ones; widen "
+                             "digits/n_operands/operators or ask for fewer")
         rng = random.Random(self.cfg.seed)
         kind = KINDS[self.cfg.kind]
         seen: set[str] = set()

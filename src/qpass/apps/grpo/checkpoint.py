@@ -22,6 +22,7 @@ is :data:`FORMAT`.
 from __future__ import annotations
 
 import io
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,8 @@ def load_checkpoint(trainer: Any, path: str | Path) -> int:
     path = Path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise QpassError(f"{path}: cannot read the GRPO checkpoint: {exc}") from exc
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # garbage or truncated bytes
+        raise QpassError(f"{path}: cannot read the GRPO checkpoint ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise QpassError(f"{path}: not a {FORMAT} file")
     if state["recipe"] != trainer.recipe_name:

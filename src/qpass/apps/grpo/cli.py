@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.apps.cliutil import add_dtype, add_force, add_rollout_engine, add_threads, add_verbose, exit_status
+from qpass.apps.cliutil import add_dtype, add_force, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
 from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
@@ -77,7 +77,7 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
                    "worker processes; rank 0 also drives the rollout)")
     g.add_argument("--megatron-timeout-s", type=_pos_float, default=300.0,
                    help="collective timeout of the Megatron learner's ranks (a rank that stops answering fails the run)")
-    g.add_argument("--seed", type=int, default=D.seed)
+    g.add_argument("--seed", type=seed_int, default=D.seed)
     add_force(g, "summary.json", "--overwrite")
     g.add_argument("--keep-partial", action="store_true", help="on error/Ctrl-C keep what was written as DIR.partial")
     g.add_argument("--max-time-s", type=_pos_float, default=None, help="time budget per recipe (seconds)")
@@ -206,8 +206,8 @@ def _load_reward(spec: str, format_weight: float) -> Any:
     mod, _, attr = spec.partition(":")
     try:
         obj = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as exc:
-        raise CliError(f"--reward {spec!r}: cannot import: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module: ImportError, SyntaxError, whatever its import raises
+        raise CliError(f"--reward {spec!r}: cannot import: {type(exc).__name__}: {exc}") from None
     if not callable(obj):
         raise CliError(f"--reward {spec!r} is not callable")
     return obj
@@ -253,7 +253,9 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
             initial_check=not a.no_initial_check, max_time_s=max_time_s, cuda_graphs=a.cuda_graphs,
         )
     except (ValueError, TypeError) as exc:
-        raise CliError(str(exc)) from exc
+        from qpass.apps.validate import flag_message
+
+        raise CliError(flag_message(exc)) from exc
 
 
 def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
@@ -440,8 +442,13 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             except QpassError as exc:
                 raise CliError(f"--out: {exc}") from None
         reward = _load_reward(a.reward, a.format_weight)
-        if a.resume and a.checkpoint_dir is None:
-            raise CliError("--resume needs --checkpoint-dir")
+        _grpo_config(a, a.steps, a.max_time_s)  # every value and range, before the model load
+        from qpass.apps.validate import check_grpo_args
+
+        try:  # option combinations, counts against the task, the model reference
+            check_grpo_args(a)
+        except QpassError as exc:
+            raise CliError(str(exc)) from None
         if a.device == "cuda":
             import torch
 
@@ -557,16 +564,23 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
 
 def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
     """``qpass grpo-plot RUN_DIR... --out PNG`` (arguments after the subcommand). Returns the exit status."""
-    from qpass.apps.grpo.plots import plot_runs
+    from qpass.apps.grpo.plots import load_run, plot_runs
 
     ap = build_plot_parser()
     try:
         a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
         return _exit_code(exc)
+    from qpass.atomic import check_output_file
+    from qpass.errors import QpassError
+
     try:
+        check_output_file(a.out, "--out")
+        for d in a.runs:  # every run read (and its rows checked) before anything is drawn
+            if not load_run(d).rows:
+                raise ValueError(f"{d / 'metrics.jsonl'} holds no complete metric row (nothing to plot)")
         out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title, preset=a.preset)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, QpassError) as exc:
         print(f"qpass grpo-plot: error: {exc}", file=sys.stderr)
         return 2
     print(out)

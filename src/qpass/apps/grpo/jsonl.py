@@ -57,18 +57,26 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line other than the last is not valid JSON (the file is corrupt, line named).
+        ValueError: the file is not UTF-8, a line other than the last is not valid JSON, or a row is
+            not a JSON object (the file is corrupt; path and line named).
     """
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}): "
+                         "not a qpass JSONL file") from None
     rows: list[dict[str, Any]] = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as exc:
             if i == len(lines) - 1:
                 log.warning("%s: skipping a truncated last line (%d bytes)", path, len(line))
                 break
             raise ValueError(f"{path}:{i + 1}: not valid JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i + 1}: a row must be a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows

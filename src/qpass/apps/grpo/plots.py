@@ -95,8 +95,8 @@ def load_run(run_dir: str | Path) -> RunData:
     cfg = d / "config.json"
     if cfg.is_file():
         try:
-            label = json.loads(cfg.read_text()).get("recipe", label) or label
-        except json.JSONDecodeError:
+            label = str(json.loads(cfg.read_bytes()).get("recipe", label) or label)
+        except (ValueError, AttributeError):  # an unreadable config only loses the label
             pass
     ev = d / "eval.jsonl"
     return RunData(label, read_jsonl(m), read_jsonl(ev) if ev.is_file() else [])

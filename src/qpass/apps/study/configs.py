@@ -158,8 +158,9 @@ def study_recipe(name: str, *, layers: int | None = None, rac: RACOverride | Non
                 seen_rac = True
     if rac is not None and not seen_rac:
         raise QpassError(f"{path}: no {RAC_PASS!r} entry to apply {rac} to")
-    data["name"] = f"{data['name']}[{', '.join(suffix)}]"
-    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{path} + {', '.join(suffix)}")
+    recipe = parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{path} + {', '.join(suffix)}")
+    # the decorated name is a label (it holds '/' and spaces), never a path: set after validation
+    return dataclasses.replace(recipe, name=f"{data['name']}[{', '.join(suffix)}]")
 
 
 def rac_targets(layers: int | None) -> list[str]:

@@ -643,7 +643,7 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Pat
 
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose
+    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
 
     p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -651,17 +651,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kernels", default="reference", choices=("reference", "triton"))
-    p.add_argument("--prompts", type=int, default=None, help="probe prompts (full: 24 = the whole probe set, quick: 2)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response length (full: 32, quick: 3)")
+    p.add_argument("--prompts", type=pos_int, default=None, help="probe prompts (full: 24 = the whole probe set, quick: 2)")
+    p.add_argument("--max-new-tokens", type=pos_int, default=None, help="response length (full: 32, quick: 3)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests (layer 0 quantized, k in {0,50,100}%%)")
     p.add_argument("--ratios", default=None, help="RAC k list in percent, comma-separated (full: 0,12.5,25,50,75,100)")
-    p.add_argument("--layers", type=int, default=None, help="quantize only decoder layers [0, L) (full: all, quick: 1)")
-    p.add_argument("--batch-size", type=int, default=None, help="static rollout batch (default: min(prompts, 24))")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget; later RAC configs are skipped")
-    p.add_argument("--bootstrap", type=int, default=2000, help="paired-bootstrap resamples")
+    p.add_argument("--layers", type=pos_int, default=None, help="quantize only decoder layers [0, L) (full: all, quick: 1)")
+    p.add_argument("--batch-size", type=pos_int, default=None, help="static rollout batch (default: min(prompts, 24))")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--temperature", type=pos_float, default=1.0)
+    p.add_argument("--top-p", type=pos_float, default=1.0)
+    p.add_argument("--budget-s", type=pos_float, default=None, help="wall-clock budget; later RAC configs are skipped")
+    p.add_argument("--bootstrap", type=pos_int, default=2000, help="paired-bootstrap resamples")
     add_threads(p)
     add_force(p, "study.json")
     add_verbose(p)
@@ -681,6 +681,8 @@ def config_from_args(a: argparse.Namespace) -> StudyConfig:
     tokens = a.max_new_tokens if a.max_new_tokens is not None else (3 if quick else 32)
     if prompts < 1 or tokens < 1:
         raise QpassError(f"--prompts and --max-new-tokens must be >= 1, got {prompts}, {tokens}")
+    if not 0.0 < a.top_p <= 1.0:
+        raise QpassError(f"--top-p {a.top_p}: must be in (0, 1]")
     if a.ratios is not None:
         try:
             ratios = tuple(float(x) / 100.0 for x in a.ratios.split(",") if x.strip())
@@ -707,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     try:
         cfg = config_from_args(args)
+        from qpass.apps.validate import check_study_args
+
+        check_study_args(cfg)  # the model reference and counts against the probe set, before the load
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise QpassError("--device cuda but torch.cuda.is_available() is False")
         check_output_path(Path(cfg.out), force=cfg.force, marker="study.json")  # before the long run

@@ -120,7 +120,7 @@ def sites_from_artifacts(directory: str | Path) -> list[SiteLinear]:
     lfile = d.parent / "learner" / "model.safetensors"
     if lfile.exists():
         biases = {k: v for k, v in load_file(str(lfile)).items() if k.endswith(".bias")}
-    recipe = parse_recipe(rfile.read_text(), str(rfile))
+    recipe = parse_recipe(rfile.read_bytes(), str(rfile))  # bytes: a non-UTF-8 file is a RecipeError naming the offset
 
     def pass_for(site: str):
         def find(names: tuple[str, ...]) -> Any:

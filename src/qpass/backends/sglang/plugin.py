@@ -36,6 +36,7 @@ import torch
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.checkpoint.linear import activation_for_row_parallel, begin_loading, finish_loading, served_linear
 from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs, make_tensor
+from qpass.errors import QuantizationError
 
 
 def sglang_available() -> bool:
