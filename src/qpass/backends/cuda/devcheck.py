@@ -295,7 +295,7 @@ def prefill_timings(shapes, m: int, budget_s: float) -> list[dict]:
     return rows
 
 
-def e2e(budget_s: float, models: str, batches: tuple[int, ...]) -> list[dict]:
+def e2e(budget_s: float, models: str, batches: tuple[int, ...], quick: bool = False) -> list[dict]:
     """Decode step under CUDA graphs (qpass.backends.triton.bench_e2e) for every recipe, with the CUDA
     route on and off (Triton kernels) in the same run; ratios against the bf16 recipe of the same model and B."""
     from qpass.backends.cuda import route
@@ -311,6 +311,8 @@ def e2e(budget_s: float, models: str, batches: tuple[int, ...]) -> list[dict]:
     plan = [(spec, b) for b in batches for spec in specs]
     recipes = (("bf16", False), ("quads_nvfp4", True), ("naive_nvfp4", True), ("w4a16_qat", True), ("fp8_block", False),
                ("quads_nvfp4", False), ("naive_nvfp4", False), ("w4a16_qat", False))
+    if quick:
+        recipes = (("bf16", False), ("quads_nvfp4", True), ("naive_nvfp4", True), ("quads_nvfp4", False))
     for spec, b in plan:
         if time.monotonic() > t_end - 40:
             rows.append({"model": spec.label, "B": b, "skipped": "budget"})
@@ -402,6 +404,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--e2e-only", action="store_true")
     ap.add_argument("--prefill-s", type=float, default=60.0)
+    ap.add_argument("--shapes", default="all", choices=("all", "8b"))
+    ap.add_argument("--e2e-recipes", default="all", help="'all' or 'quick' (bf16, quads cuda/triton, naive cuda)")
     ap.add_argument("--with-e2e", type=float, default=0.0, help="seconds for the end-to-end section after the kernels")
     ap.add_argument("--with-rollout", type=float, default=0.0, help="seconds for the GRPO sample-phase section")
     ap.add_argument("--with-e2e-large", type=float, default=60.0, help="seconds for the end-to-end batches > 16 (run last)")
@@ -463,12 +467,14 @@ def main(argv=None) -> int:
     def save():  # after every section: a timed-out call still brings back what was measured
         (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
     save()
-    rep["timings"] = timings([(4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (192, 576), (1536, 576), (576, 1536)],
-                             [1, 16], args.budget_s)
+    shapes = [(4096, 4096), (14336, 4096), (4096, 14336)]
+    if args.shapes == "all":
+        shapes += [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+    rep["timings"] = timings(shapes, [1, 16], args.budget_s)
     save()
     batches = tuple(int(b) for b in args.e2e_batches.split(","))
     if args.with_e2e:
-        rep["e2e"] = e2e(args.with_e2e, args.e2e_models, tuple(b for b in batches if b <= 16))
+        rep["e2e"] = e2e(args.with_e2e, args.e2e_models, tuple(b for b in batches if b <= 16), quick=args.e2e_recipes == "quick")
         save()
     if args.with_rollout:
         rep["rollout_phase"] = rollout_phase(args.with_rollout)
