@@ -15,7 +15,7 @@ from qpass.errors import QpassError
 
 
 def test_every_builtin_is_a_backend():
-    assert sorted(b.name for b in BUILTIN) == ["megatron", "onnx", "sglang", "triton", "vllm"]
+    assert sorted(b.name for b in BUILTIN) == ["cuda", "megatron", "onnx", "sglang", "triton", "vllm"]
     for b in BUILTIN:
         assert isinstance(b, Backend) and b.install_hint.startswith("pip install")
 
@@ -29,7 +29,7 @@ def test_unavailable_backend_names_its_install_hint():
 
 def test_load_backends_unknown_and_reference(monkeypatch):
     monkeypatch.setattr(plugins, "_REGISTERED", {})
-    with pytest.raises(QpassError, match=r"unknown backend 'cuda-magic'; known: \['megatron', 'onnx', 'sglang', 'triton', 'vllm'\]"):
+    with pytest.raises(QpassError, match=r"unknown backend 'cuda-magic'; known: \['cuda', 'megatron', 'onnx', 'sglang', 'triton', 'vllm'\]"):
         plugins.load_backends(["cuda-magic"])
     assert plugins.load_backends(["reference"]) == {}  # the reference kernels are core: nothing to load
 

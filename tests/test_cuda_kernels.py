@@ -297,3 +297,36 @@ def test_rac_select_model_matches_the_reference_top_k():
         for k in (0, 1, 5, scores.numel() // 2, scores.numel() - 1, scores.numel()):
             want = set(topk_channels(scores, k).tolist())
             assert _radix_select_model(scores.tolist(), k) == want, (scores[:8], k)
+
+
+def test_cuda_backend_registers_every_op_of_the_triton_backend_and_resolves_to_reference_off_cuda():
+    import qpass.backends.cuda.registry  # noqa: F401 (registers)
+    from qpass.kernel_select import effective_backend
+    from qpass.tables import TABLES
+
+    triton_keys = {(op, st) for (op, st, b) in TABLES["kernels"] if b == "triton"}
+    cuda_keys = {(op, st) for (op, st, b) in TABLES["kernels"] if b == "cuda"}
+    assert triton_keys and triton_keys == cuda_keys
+    assert effective_backend("cuda", "cpu") == "reference"
+    assert effective_backend("cuda", "cuda") == "cuda"
+
+
+def test_cuda_routes_refuse_what_they_cannot_serve():
+    """A CPU tensor, fp32 activations, gathered RAC or token selection: no route (the caller runs Triton)."""
+    from types import SimpleNamespace
+
+    from qpass.backends.cuda import ops as cops
+    from qpass.quant.rac import RACConfig
+
+    def call(x, rac=None):
+        return SimpleNamespace(x=x, in_features=x.shape[-1], rac=rac)
+
+    assert not cops.routable(call(torch.zeros(1, 64, dtype=torch.bfloat16)))  # not on CUDA
+    assert cops.nvfp4_linear(call(torch.zeros(1, 64, dtype=torch.bfloat16))) is None
+    if torch.cuda.is_available() and runtime.available():  # pragma: no cover - GPU tier
+        x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
+        assert cops.routable(call(x))
+        assert not cops.routable(call(x.float()))
+        assert not cops.routable(call(x, RACConfig(0.5, "gathered", "batch")))
+        assert not cops.routable(call(x, RACConfig(0.5, "masked", "token")))
+        assert not cops.routable(call(torch.zeros(1, 48, dtype=torch.bfloat16, device="cuda")))

@@ -24,7 +24,11 @@ def current_backend() -> str:
 
 def effective_backend(name: str, device: str | torch.device) -> str:
     """The kernels that will actually run for backend ``name`` on ``device``: ``triton`` off CUDA
-    runs the reference ops unless ``TRITON_INTERPRET=1`` (the same rule as the dispatcher)."""
-    if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    runs the reference ops unless ``TRITON_INTERPRET=1`` (the same rule as the dispatcher); ``cuda``
+    (NVRTC kernels) off CUDA runs the reference ops."""
+    cuda = torch.device(device).type == "cuda"
+    if name == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "reference"
+    if name == "cuda" and not cuda:
         return "reference"
     return name
