@@ -86,9 +86,9 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise QpassError(f"{path} is not readable strict JSON ({what}): {type(exc).__name__}: {exc}") from exc
+        raise QpassError(f"{path} is not a readable {what} (strict UTF-8 JSON; {type(exc).__name__}: {exc})") from exc
     if not isinstance(data, dict):
-        raise QpassError(f"{path}: expected a JSON object ({what}), got {type(data).__name__}")
+        raise QpassError(f"{path} is not a readable {what} (a JSON object expected, got {type(data).__name__})")
     return data
 
 
@@ -133,7 +133,7 @@ def open_apply_dir(root: str | Path, *, need_rollout: bool = True) -> ApplyDir:
             comparison (a changed file is a difference: exit 1, later stages).
     """
     root = Path(root)
-    rep = read_json_object(root / REPORT, "the qpass apply report")
+    rep = read_json_object(root / REPORT, "qpass report")
     try:
         text = rep["recipe"]["text"]
         if not isinstance(text, str):
@@ -227,7 +227,7 @@ def consistency_problems(d: ApplyDir, *, model_ref: str | None = None) -> list[s
             if name != rep["recipe"].get("name"):
                 problems.append(f"{REPORT}: recipe.name is {rep['recipe'].get('name')!r}, the recipe text ({RECIPE_COPY}) names {name!r}")
     if QUANT_CONFIG in d.reads:
-        q = read_json_object(root / QUANT_CONFIG, "the rollout quantization config")
+        q = read_json_object(root / QUANT_CONFIG, "rollout quantization config")
         version = (q.get("producer") or {}).get("version") if isinstance(q.get("producer"), dict) else None
         if not isinstance(q.get("quantization"), dict):
             raise QpassError(f"{root / QUANT_CONFIG}: not a qpass rollout quantization config (no 'quantization' object)")
@@ -247,7 +247,7 @@ def rebuilt_problems(d: ApplyDir, rollout: Any, site_counts: Mapping[str, Any] |
 
     problems: list[str] = []
     if QUANT_CONFIG in d.reads:
-        saved = read_json_object(d.root / QUANT_CONFIG, "the rollout quantization config")
+        saved = read_json_object(d.root / QUANT_CONFIG, "rollout quantization config")
         version = (saved.get("producer") or {}).get("version", "")
         want = json.loads(_canonical(rollout_quant_config(rollout, version)))
         problems += [f"{QUANT_CONFIG}: {p}" for p in json_diff(want, saved, "the rebuilt rollout", "the file")]
