@@ -11,6 +11,7 @@ one CUDA-graph equality test (gpu tier).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +247,24 @@ def test_checkpoint_files_are_verified_and_schema_checked_before_use(tiny_pipeli
     assert not marker.exists() and second.step_idx == 0
     assert all(torch.equal(a, b) for a, b in zip(before, second.opt.master))
     assert second.load_checkpoint(ck) == 1  # the original still loads
+
+
+def test_checkpoint_json_codec_round_trips_exactly():
+    """NaN / inf floats, tuples, int and '$' keys, numpy scalars and tensors survive state.json exactly."""
+    import numpy as np
+
+    from qpass.apps.grpo.checkpoint import _Decoder, _Encoder
+
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    tree = {"rows": [{"g": float("nan"), "h": float("-inf"), "n": 3, "ok": True, "s": "x", "none": None}],
+            "betas": (0.9, 0.999), "state": {0: {"exp_avg": t, "step": torch.tensor(2.0)}}, "$odd": 1, "np": np.float64(0.1)}
+    enc = _Encoder()
+    js = enc(tree, "optimizer", "")
+    import json
+
+    back = _Decoder(enc.files, Path("ck"))(json.loads(json.dumps(js, allow_nan=False)))
+    assert repr(back["rows"]) == repr(tree["rows"]) and back["betas"] == (0.9, 0.999) and back["np"] == 0.1
+    assert back["$odd"] == 1 and torch.equal(back["state"][0]["exp_avg"], t) and list(back["state"]) == [0]
 
 
 def test_a_legacy_pickle_checkpoint_converts_with_weights_only(tiny_pipeline, tmp_path):

@@ -180,6 +180,9 @@ def export_checkpoint(
     Raises:
         QpassError: bad output path (an existing non-export directory, a symlink ...), a missing or
             corrupt apply file (named), unknown format, a non-NVFP4 rollout, and the format's checks.
+        IntegrityError: the apply directory differs from what its report recorded or is inconsistent
+            with itself or with the rollout rebuilt from its recipe (module docstring); raised before
+            ``out`` is created.
     """
     from qpass.atomic import check_output_path
     from qpass.graph.model import load_model

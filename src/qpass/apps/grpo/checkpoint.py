@@ -155,6 +155,8 @@ class _Encoder:
             if all(isinstance(k, str) and not k.startswith("$") for k in v):
                 return {k: self(x, file, f"{path}.{k}" if path else k) for k, x in v.items()}
             return {"$items": [[self(k, file, f"{path}.key{i}"), self(x, file, f"{path}.{k}")] for i, (k, x) in enumerate(v.items())]}
+        if callable(getattr(v, "item", None)) and getattr(v, "ndim", None) == 0:  # a numpy scalar: its exact Python value
+            return self(v.item(), file, path)
         raise TypeError(f"GRPO checkpoint: cannot store a {type(v).__name__} at {path or '(top level)'}")
 
 
