@@ -63,6 +63,10 @@ def _bomb(levels: int = 4, width: int = 9) -> str:
 RAC = "name: {n}\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n"
 
 
+#: The recipe part of the export rows' reports (``qpass.apps.integrity`` checks it before the model fields).
+_EXP_RECIPE = {"recipe": {"name": "x", "text": "name: x\n"}}
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Bad inputs of every class: recipes, model references, apply outputs, checkpoints, run dirs."""
@@ -93,20 +97,26 @@ def corpus(tmp_path_factory) -> Path:
         "rep_batch/report.json": json.dumps({"recipe": {"text": "name: x\n"}, "parity": {"probe": {"rollout_batch": "4", "max_len": 64}}}),
         "rep_badrecipe/report.json": json.dumps({"recipe": {"text": "name: x\nrollout:\n  - pass: nope\n"},
                                                  "parity": {"probe": {"rollout_batch": 4, "max_len": 64}}}),
+        "rep_badrecipe/rollout/recipe.yaml": "name: x\nrollout:\n  - pass: nope\n",  # the copy equals the report's text
+        "rep_badrecipe/rollout/hf_quant_config.json": "{}",
         "rep_empty/report.json": "{}",
         "rep_arts/report.json": json.dumps({"recipe": {"text": "name: x\n"}, "parity": {"probe": {"rollout_batch": 4, "max_len": 64}},
                                             "artifacts": {"rollout": "weights"}}),
         "rep_weights/report.json": json.dumps({"recipe": {"text": "name: x\n"}, "parity": {"probe": {"rollout_batch": 4, "max_len": 64}},
                                                "artifacts": {"rollout": {"weights": "rollout/weights.safetensors"}}}),
         "rep_weights/rollout/weights.safetensors": b"\xff" * 64,
-        "exp_noref/report.json": json.dumps({"model": {}}),
+        "rep_weights/rollout/recipe.yaml": "name: x\n",  # complete but for the weights (the integrity chain reads these first)
+        "rep_weights/rollout/hf_quant_config.json": "{}",
+        # export rows: a recipe (report text == its copy) so the integrity chain reaches the field under test
+        "exp_noref/report.json": json.dumps({"model": {}, **_EXP_RECIPE}),
         "exp_noref/rollout/hf_quant_config.json": "{}",
-        "exp_badqcfg/report.json": json.dumps({"model": {"ref": "default"}}),
+        "exp_badqcfg/report.json": json.dumps({"model": {"ref": "default"}, **_EXP_RECIPE}),
         "exp_badqcfg/rollout/hf_quant_config.json": json.dumps({"quantization": {"sites": [1]}}),
-        "exp_modelref/report.json": json.dumps({"model": {"ref": ["default"]}}),
+        "exp_modelref/report.json": json.dumps({"model": {"ref": ["default"]}, **_EXP_RECIPE}),
         "exp_modelref/rollout/hf_quant_config.json": json.dumps({"quantization": {}}),
-        "exp_nomodel/report.json": json.dumps({"model": "default"}),
+        "exp_nomodel/report.json": json.dumps({"model": "default", **_EXP_RECIPE}),
         "exp_nomodel/rollout/hf_quant_config.json": "{}",
+        **{f"{d}/rollout/recipe.yaml": "name: x\n" for d in ("exp_noref", "exp_badqcfg", "exp_modelref", "exp_nomodel")},
         "run_garbage/metrics.jsonl": b"\x00\xff garbage\n",
         "run_badjson/metrics.jsonl": "{not json\n",
         "run_listrow/metrics.jsonl": "[1]\n[2]\n",
@@ -306,16 +316,22 @@ def test_an_internal_error_is_exit_70_with_its_traceback_never_1(tmp_path, capsy
 
 
 def test_garbage_grpo_checkpoint_is_bad_input(tmp_path):
-    """Old code: ``torch.load`` of random bytes raised ``UnpicklingError`` (a traceback, exit 1)."""
-    from qpass.apps.grpo.checkpoint import load_checkpoint
+    """Old code: ``torch.load`` of random bytes raised ``UnpicklingError`` (a traceback, exit 1).
+
+    Checkpoints are ``<recipe>.ckpt`` directories now (qpass.apps.grpo.checkpoint): a file given as
+    one is refused unread, and the legacy converter (the one reader of old ``.pt`` bytes) names it."""
+    from qpass.apps.grpo.checkpoint import convert_legacy_checkpoint, load_checkpoint
     from qpass.errors import QpassError
 
     for name, data in (("garbage.pt", bytes(range(256)) * 2), ("empty.pt", b""), ("text.pt", b"hello world\n"),
                        ("zip.pt", b"PK\x03\x04" + bytes(60))):
         f = tmp_path / name
         f.write_bytes(data)
-        with pytest.raises(QpassError, match=rf"{name}: cannot read the GRPO checkpoint"):
+        with pytest.raises(QpassError, match=rf"{name} is a file, not a qpass-grpo-checkpoint/2 checkpoint directory"):
             load_checkpoint(object(), f)  # refused before the trainer is touched
+        with pytest.raises(QpassError, match=rf"{name}: not a readable qpass-grpo-checkpoint/1 file"):
+            convert_legacy_checkpoint(f)
+        assert not f.with_suffix(".ckpt").exists()
 
 
 def test_task_size_is_known_without_drawing():

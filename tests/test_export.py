@@ -424,3 +424,77 @@ def test_modelopt_arithmetic_of_the_reference_quantizer_on_hand_values():
     assert te.scales.float().tolist()[0][1] == 0.0
     assert mo.codes[0, 0] == 0x7 | (0xD << 4)  # 0.625 -> 6 (code 7), -0.3125 -> -3 (sign 8 | code 5 = 0xD)
     assert mo.spec.key == "nvfp4.weight.per_tensor.modelopt"
+
+
+# ----------------------------------------------------------------------------- integrity: export verifies what it reads
+
+def _apply_copy(tiny_apply, tmp_path):
+    d = tmp_path / "apply"
+    shutil.copytree(tiny_apply, d)
+    return d
+
+
+def _refused(d, tmp_path, capsys) -> str:
+    """``qpass export d`` exits 1 and writes nothing; returns stderr."""
+    out = tmp_path / "out" / "ckpt"
+    assert cli_main(["export", str(d), "--out", str(out), "--calibration-prompts", "1"]) == 1
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []  # no checkpoint, no temp dir
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tamper, rel", [
+    ("flip_last_byte", "learner/model.safetensors"),
+    ("flip_rollout_code", "rollout/weights.safetensors"),
+    ("set_rac_ratio", "rollout/hf_quant_config.json"),
+])
+def test_export_refuses_an_apply_dir_whose_files_changed(tiny_apply, tmp_path, capsys, tamper, rel):
+    """Old code: each of these exported (exit 0) and published the altered checkpoint."""
+    import tests._tamper as T
+
+    d = _apply_copy(tiny_apply, tmp_path)
+    getattr(T, tamper)(d, *(["learner/model.safetensors"] if tamper == "flip_last_byte" else []))
+    err = _refused(d, tmp_path, capsys)
+    assert f"{rel}: sha256 differs from report.json" in err and "nothing was exported" in err
+
+
+def test_export_refuses_an_edited_report(tiny_apply, tmp_path, capsys):
+    from tests._tamper import edit_report
+
+    d = _apply_copy(tiny_apply, tmp_path)
+    edit_report(d, lambda rep: rep["model"].update(dtype="fp32"))
+    assert "report.json: its content differs from the digest qpass apply recorded in it" in _refused(d, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ("rac", "rollout/hf_quant_config.json: quantization.rac[model.layers.0.mlp.gate_proj].ratio: the file has 0.05, "
+            "the rebuilt rollout 0.5"),
+    ("learner", "rollout/weights.safetensors: model.layers.1.mlp.up_proj.weight: "),
+    ("recipe", "rollout/recipe.yaml differs from the recipe text in report.json (first difference at line 13"),
+])
+def test_export_cross_checks_a_consistently_resealed_apply_dir(tiny_apply, tmp_path, capsys, tamper, message):
+    """Checksums and digest rewritten to match: the recipe copy, the report, the quantization config and
+    the rollout rebuilt from the recipe on the saved masters still have to agree. Old code: exit 0."""
+    import tests._tamper as T
+
+    d = _apply_copy(tiny_apply, tmp_path)
+    {"rac": T.set_rac_ratio, "learner": T.scale_learner_weight,
+     "recipe": lambda d: T.edit_text(d, "rollout/recipe.yaml", "ratio: 0.5", "ratio: 0.05")}[tamper](d)
+    T.reseal(d)
+    assert message in _refused(d, tmp_path, capsys)
+
+
+def test_export_verifies_the_model_files_the_apply_ran_on(tiny_apply, tiny_hf, tmp_path, capsys):
+    """The report records the sha256 of the model directory the apply read (what export rebuilds from)."""
+    import tests._tamper as T
+
+    rep = json.loads((tiny_apply / "report.json").read_text())
+    assert rep["model"]["files"]["config.json"] == T.hashlib.sha256((tiny_hf / "config.json").read_bytes()).hexdigest()
+    model = tmp_path / "model"
+    shutil.copytree(tiny_hf, model)
+    d = _apply_copy(tiny_apply, tmp_path)
+    T.edit_report(d, lambda rep: rep["model"].update(source=str(model), ref=str(model)))
+    T.reseal(d)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"rms_norm_eps": cfg["rms_norm_eps"] * 2}))
+    err = _refused(d, tmp_path, capsys)
+    assert f"model file {model / 'config.json'}: sha256 differs from the one recorded in report.json" in err

@@ -58,6 +58,7 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
     they are left out of the result and their ids appended to ``skipped``.
     """
     from qpass.diagnostics.capture import capture_linear_inputs
+    from qpass.diagnostics.robust import norm_ratio
     from qpass.sampling import positions_from_mask
 
     with torch.no_grad():
@@ -75,8 +76,8 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
                 continue
             xl, xr = la[sid].float().cpu()[rows], ra[sid].float().cpu()[rows]
             la[sid], ra[sid] = xl, xr
-            denom = float(xl.norm())
-            rel[sid] = float((xr - xl).norm()) / denom if denom > 0 else float("nan")
+            # float64 (a float32 norm of activations above ~1e19 overflows: inf / inf = NaN); 0 if both are 0
+            rel[sid] = norm_ratio(xr.double() - xl.double(), xl)
     return rel, la, ra
 
 

@@ -36,7 +36,7 @@ from qpass.graph.qgraph import QGraph
 from qpass.tables import entry
 
 __all__ = ["atomic_dir", "compare_tensors", "file_checksums", "load_learner_into", "load_rollout_into", "probe_safetensors",
-           "read_tensors", "rollout_tensors", "save_learner", "save_rollout", "verify_checksums", "write_json"]
+           "read_tensors", "rollout_quant_config", "rollout_tensors", "save_learner", "save_rollout", "verify_checksums", "write_json"]
 
 
 def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
@@ -71,6 +71,19 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
         # would make the file's bytes differ between identical runs (the recipe is in recipe.yaml)
         save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout"})
         files["weights"] = "weights.safetensors"
+    write_json(directory / "hf_quant_config.json", rollout_quant_config(rollout, meta.get("qpass_version", "")))
+    (directory / "recipe.yaml").write_text(recipe_text)
+    files.update(config="hf_quant_config.json", recipe="recipe.yaml", tensors=len(tensors))
+    return files
+
+
+def rollout_quant_config(rollout: QGraph, qpass_version: str) -> dict[str, Any]:
+    """The ``hf_quant_config.json`` of a rollout graph (module docstring): per quantized site its
+    format, weight / activation spec and fused group, the RAC options, excluded modules, flushed blocks.
+
+    ``qpass check`` and ``qpass export`` rebuild the rollout from the saved recipe and compare this
+    with the saved file (:mod:`qpass.apps.integrity`), so the function is the file's one definition.
+    """
     nvfp4 = [s for s, r in rollout.quant.items() if r.lowered_as(NVFP4Spec)]
     fp8 = [s for s, r in rollout.quant.items() if r.lowered_as(FP8Spec)]
     mx = [s for s, r in rollout.quant.items() if r.lowered_as(MXFP4Spec)]
@@ -78,7 +91,7 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     w4a4 = [s for s in nvfp4 if rollout.quant[s].act_spec is not None]
     algo = ("NVFP4" if w4a4 else "W4A16_NVFP4") if nvfp4 else ("FP8_BLOCK" if fp8 else ("MXFP4" if mx else None))
     cfg = {
-        "producer": {"name": "qpass", "version": meta.get("qpass_version", "")},
+        "producer": {"name": "qpass", "version": qpass_version},
         "quantization": {
             "quant_algo": algo,
             "group_size": 16 if nvfp4 else None,
@@ -101,10 +114,7 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     if act_only:
         cfg["quantization"]["act_only_sites"] = {s: {"act_spec": rollout.quant[s].act_spec.key, "group": rollout.quant[s].group}
                                                  for s in act_only}
-    write_json(directory / "hf_quant_config.json", cfg)
-    (directory / "recipe.yaml").write_text(recipe_text)
-    files.update(config="hf_quant_config.json", recipe="recipe.yaml", tensors=len(tensors))
-    return files
+    return cfg
 
 
 def probe_safetensors(path: Path, what: str) -> int:

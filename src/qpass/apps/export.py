@@ -11,6 +11,14 @@ Sources (what the tensors come from):
   (:meth:`qpass.pipeline.Pipeline.build_side`), and the rollout graph's constants are exported.
 * ``--model M`` alone (or ``SRC`` a model): the model unquantized (``--format plain``).
 
+An apply output is verified before anything is read from it or written (:mod:`qpass.apps.integrity`):
+the files it needs must be there and well-formed (else exit 2); ``report.json``'s own digest and the
+sha256 of every file it lists must match, the recipe copy must equal the report's recipe, the model
+files the report recorded must be unchanged, and (formats other than ``plain``) the rollout rebuilt
+from the recipe on the saved master weights must give exactly ``hf_quant_config.json`` and every
+tensor of ``rollout/weights.safetensors``; any difference is :class:`qpass.errors.IntegrityError`
+(exit 1) naming the file and what differs, and no output directory is created.
+
 W4A4 sites get a static ``input_scale`` calibrated on ``--calibration-prompts`` built-in probe
 prompts (chat-templated), shared per fused group (:mod:`qpass.checkpoint.calibrate`).
 
@@ -36,7 +44,8 @@ from qpass.atomic import atomic_dir
 from qpass.checkpoint.export import ACT_OF_SPEC, sites_from_rollout, write_checkpoint
 from qpass.checkpoint.formats import CHECKPOINT_FORMATS, GLOBAL_SCALE_RULES, RolloutSite, weight_arithmetic
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE
-from qpass.errors import QpassError
+from qpass.apps.integrity import SEAL, consistency_problems, open_apply_dir, rebuilt_problems, verify_files
+from qpass.errors import IntegrityError, QpassError
 from qpass.jsonio import write_json
 from qpass.quant.rac import RACConfig
 
@@ -171,6 +180,9 @@ def export_checkpoint(
     Raises:
         QpassError: bad output path (an existing non-export directory, a symlink ...), a missing or
             corrupt apply file (named), unknown format, a non-NVFP4 rollout, and the format's checks.
+        IntegrityError: the apply directory differs from what its report recorded or is inconsistent
+            with itself or with the rollout rebuilt from its recipe (module docstring); raised before
+            ``out`` is created.
     """
     from qpass.apps.validate import check_export_recipe, check_model_ref, check_probe_count
     from qpass.atomic import check_output_path
@@ -193,28 +205,35 @@ def export_checkpoint(
     sites: dict[str, RolloutSite] = {}
     site_tensors: dict[str, torch.Tensor] = {}
     masters = None
+    verified = None
     if apply_dir is not None:
         if recipe is not None:
             raise QpassError(f"{apply_dir} is an apply output (its recipe is fixed); --recipe applies to --model only")
-        report = _read_json(apply_dir / "report.json", "the apply report")
-        qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
-        qcfg = _read_json(qcfg_path, "the rollout quantization config")
+        # verify before reading anything else (qpass.apps.integrity): malformed -> exit 2, changed -> exit 1
+        verified = open_apply_dir(apply_dir, need_rollout=fmt != "plain")
+        report = verified.report
         m = report.get("model") or {}
         if not isinstance(m, dict):
             raise QpassError(f"{apply_dir / 'report.json'}: 'model' must be an object, got {m!r}")
         model_ref = model_ref or m.get("ref")
         if not model_ref:
             raise QpassError(f"{apply_dir / 'report.json'} names no model (model.ref); pass --model")
+        problems, notes = verify_files(verified)
+        for n in notes:
+            log.warning("%s: %s", apply_dir, n)
+        _refuse(apply_dir, problems)
+        _refuse(apply_dir, consistency_problems(verified, model_ref=model_ref))
         dtype = dtype or m.get("dtype") or "bf16"
         if fmt != "plain":
-            sites = sites_from_quant_config(qcfg, qcfg_path)
+            qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
+            sites = sites_from_quant_config(_read_json(qcfg_path, "the rollout quantization config"), qcfg_path)
             if any(r.weight == "nvfp4" for r in sites.values()):  # activation-only sites have no rollout bytes
                 from qpass.apps.artifacts import read_tensors
 
                 site_tensors = read_tensors(apply_dir / "rollout" / "weights.safetensors")
         masters = apply_dir / "learner" / "model.safetensors"
         record.update(source={"apply_dir": str(apply_dir), "recipe": (report.get("recipe") or {}).get("name")})
-        if not masters.is_file():
+        if "learner/model.safetensors" not in verified.reads:
             log.warning("%s has no learner state; the unquantized tensors come from the model %s", apply_dir, model_ref)
             masters = None
     elif model_ref is None:
@@ -233,7 +252,14 @@ def export_checkpoint(
     if apply_dir is None:
         record["source"] = {"model": model_ref, "recipe": recipe}
         if recipe is not None and fmt != "plain":
-            sites, site_tensors = _build_rollout(lm, recipe)
+            from qpass.recipe import load_recipe
+
+            sites, site_tensors, _ = _build_rollout(lm, load_recipe(recipe))
+    elif verified is not None and fmt != "plain":
+        _refuse(apply_dir, _rebuilt_problems(verified, lm, site_tensors))
+        record["verified"] = {"checksums": verified.sums is not None, "report_digest": SEAL in verified.report,
+                              "rebuilt_rollout": "hf_quant_config.json and every rollout tensor equal the rollout rebuilt "
+                                                 "from the recipe on the saved master weights"}
     record["model"] = {"ref": model_ref, "name": lm.name, "dtype": dtype}
     arithmetic = weight_arithmetic(sites)
     if global_scale is not None and sites and global_scale != arithmetic:
@@ -252,19 +278,37 @@ def export_checkpoint(
     return record
 
 
-def _build_rollout(lm: Any, recipe_ref: str) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor]]:
-    """Capture ``lm`` and run the recipe's rollout passes; the NVFP4 sites and their tensors."""
+def _build_rollout(lm: Any, recipe: Any) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor], Any]:
+    """Capture ``lm`` and run the recipe's rollout passes; the NVFP4 sites, their tensors and the rollout graph."""
     from qpass.apps.artifacts import rollout_tensors
     from qpass.apps.plugins import load_backends
     from qpass.pipeline import Pipeline
-    from qpass.recipe import load_recipe
 
-    r = load_recipe(recipe_ref)
     load_backends(["reference"])
     pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=8)
-    rollout = pipe.build_side(r, "rollout", share_params=True)
+    rollout = pipe.build_side(recipe, "rollout", share_params=True)
     sites = sites_from_rollout(rollout)
-    return sites, (rollout_tensors(rollout) if sites else {})
+    return sites, (rollout_tensors(rollout) if sites else {}), rollout
+
+
+def _rebuilt_problems(d: Any, lm: Any, site_tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The apply's rollout rebuilt from its recipe on ``lm`` (the saved master weights loaded) against
+    its quantization config and every tensor of its ``rollout/weights.safetensors``."""
+    from qpass.apps.artifacts import compare_tensors, rollout_tensors
+    from qpass.recipe import parse_recipe
+
+    rollout = _build_rollout(lm, parse_recipe(d.recipe_text, str(d.root / "rollout" / "recipe.yaml")))[2]
+    problems = rebuilt_problems(d, rollout)
+    if "rollout/weights.safetensors" in d.reads:
+        problems += compare_tensors(rollout_tensors(rollout), site_tensors, "rollout/weights.safetensors")
+    return problems
+
+
+def _refuse(apply_dir: Path, problems: list[str]) -> None:
+    """Raise :class:`IntegrityError` (exit 1) naming every problem; nothing has been written yet."""
+    if problems:
+        raise IntegrityError(f"{apply_dir} failed verification; nothing was exported:\n  " + "\n  ".join(problems[:20])
+                             + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -93,10 +93,10 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("long runs (checkpoint / resume)")
     g.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="save the run's state to DIR/<recipe>.pt at the end of this command (and every --checkpoint-every steps)")
+                   help="save the run's state to DIR/<recipe>.ckpt at the end of this command (and every --checkpoint-every steps)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="also save every N steps (0: only at the end)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint-dir/<recipe>.pt where it exists (same flags; --steps is the run's total)")
+                   help="continue from --checkpoint-dir/<recipe>.ckpt where it exists (same flags; --steps is the run's total)")
     g.add_argument("--segment-steps", type=_pos_int, default=None,
                    help="run at most N steps in this command (chain commands with --resume)")
 
@@ -270,6 +270,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
              max_time_s: float | None, argv: Sequence[str], shadow: Any = None) -> dict[str, Any]:
     """Train one recipe into ``dest`` (atomically), resuming from / saving to ``--checkpoint-dir``.
     Returns the summary."""
+    from qpass.apps.grpo.checkpoint import checkpoint_path, legacy_path
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
@@ -308,8 +309,12 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
                                       template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng,
                                       answer_fn=first_answer_reward if a.reward == "first" else None)
-                ckpt = a.checkpoint_dir / f"{recipe.name}.pt" if a.checkpoint_dir is not None else None
+                ckpt = checkpoint_path(a.checkpoint_dir, recipe.name) if a.checkpoint_dir is not None else None
                 resumed_from = 0
+                if a.resume and ckpt is not None and not ckpt.exists() and legacy_path(ckpt).is_file():
+                    raise CliError(f"{recipe.name}: {legacy_path(ckpt)} is a checkpoint of an older qpass (a pickle, which qpass "
+                                   "does not load: it can run code); convert it with `python -m qpass.apps.grpo.checkpoint "
+                                   f"convert {legacy_path(ckpt)}` (reads plain data only), or delete it to start over")
                 if a.resume and ckpt is not None and ckpt.exists():
                     resumed_from = trainer.load_checkpoint(ckpt)
                     print(f"qpass grpo: {recipe.name}: resumed at step {resumed_from} from {ckpt}", file=sys.stderr)
