@@ -3,9 +3,14 @@
 Ops (namespace ``qpass``; each has a fake kernel so it survives ``torch.export``):
 
 * ``qpass::nvfp4_linear(x, w_codes, w_scales, w_s_dec, bias?, site, act, rac_ratio, rac_mode,
-  rac_selection, rac_channels?) -> Tensor``: the NVFP4 rollout linear. ``act='none'`` is W4A16,
-  ``'nvfp4'`` W4A4 with a dynamic per-tensor activation global scale, ``'nvfp4_per_token'`` W4A4
-  with one global scale per token. ``rac_ratio > 0`` adds residual activation compensation.
+  rac_selection, rac_channels?, act_amax?=None) -> Tensor``: the NVFP4 rollout linear. ``act='none'``
+  is W4A16, ``'nvfp4'`` W4A4 with a dynamic per-tensor activation global scale,
+  ``'nvfp4_per_token'`` W4A4 with one global scale per token, ``'nvfp4_static'`` W4A4 with the
+  calibrated per-tensor amax ``act_amax`` (float32 0-d; ``qpass calibrate``). ``rac_ratio > 0`` adds
+  residual activation compensation. Only kernels that take an ``act_amax`` argument implement
+  ``'nvfp4_static'`` (the reference one); another backend is a :class:`KernelMissingError`
+  (:func:`static_act_kernel_check`), never a silently dynamic scale. Inside
+  :func:`qpass.quant.observe.observe_input_amax` every call records its input amax.
 * ``qpass::fp8_linear(x, w_data, w_scale, bias?, site, act_granularity, w_granularity) -> Tensor``:
   W8A8 FP8 E4M3 with block (or per-tensor/per-token) scales.
 * ``qpass::mxfp4_linear(x, w_codes, w_scales, bias?, site) -> Tensor``: MXFP4 weight-only.
@@ -33,10 +38,11 @@ from qpass.kernel_select import BACKEND, current_backend, effective_backend  # n
 from qpass.quant.fp8 import FP8Tensor
 from qpass.quant.linear import fp8_linear_reference, w4a4_linear_reference, w4a16_linear_reference
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_spec, nvfp4_dequantize
+from qpass.quant.observe import record as _observe
 from qpass.quant.rac import RACConfig
-from qpass.tables import TABLES, kernel, register
+from qpass.tables import TABLES, KernelMissingError, kernel, register
 
-ACT_MODES = ("none", "nvfp4", "nvfp4_per_token")
+ACT_MODES = ("none", "nvfp4", "nvfp4_per_token", "nvfp4_static")
 # The rollout NVFP4/MXFP4 ops multiply weights decoded to this dtype (SPEC §3 dequant: bf16_rne),
 # whatever the model dtype; the parity checker compares the learner's operand against it.
 WEIGHT_OPERAND_DTYPE = torch.bfloat16
@@ -144,6 +150,7 @@ def _nvfp4_linear_ref(
     rac_mode: str,
     rac_selection: str,
     rac_channels: torch.Tensor | None,
+    act_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     w = NVFP4Tensor.from_parts(w_codes, w_scales, w_s_dec)
     # cached as float32 (exact: the decoded values are bf16) so each call skips the conversion
@@ -152,9 +159,32 @@ def _nvfp4_linear_ref(
         return w4a16_linear_reference(x, w, bias, w_hat=w_hat, site=site)
     rac = RACConfig(rac_ratio, rac_mode, rac_selection) if rac_ratio > 0 else None
     return w4a4_linear_reference(
-        x, w, bias, act_spec=nvfp4_act_spec(act == "nvfp4_per_token"), rac=rac,
-        static_channels=rac_channels, w_hat=w_hat, site=site,
+        x, w, bias, act_spec=nvfp4_act_spec(act == "nvfp4_per_token", act == "nvfp4_static"), rac=rac,
+        static_channels=rac_channels, act_amax=act_amax, w_hat=w_hat, site=site,
     )
+
+
+def supports_static_act(fn: Callable[..., torch.Tensor]) -> bool:
+    """Whether an ``qpass::nvfp4_linear`` kernel implements ``act='nvfp4_static'`` (it takes ``act_amax``)."""
+    import inspect
+
+    try:
+        return "act_amax" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def static_act_kernel_check(backend: str, site: str) -> None:
+    """Refuse a static activation scale on a backend whose ``qpass::nvfp4_linear`` kernel has none.
+
+    Raises:
+        KernelMissingError: names the site and the backend.
+    """
+    fn = kernel("qpass::nvfp4_linear", NVFP4_WEIGHT, backend)
+    if not supports_static_act(fn):
+        raise KernelMissingError(
+            f"site {site}: the {backend!r} kernel of qpass::nvfp4_linear has no static (calibrated) activation scale "
+            "(act: nvfp4_static); use --kernels reference, or act_scale: dynamic")
 
 
 @torch.library.custom_op("qpass::nvfp4_linear", mutates_args=())
@@ -170,6 +200,7 @@ def nvfp4_linear(
     rac_mode: str,
     rac_selection: str,
     rac_channels: torch.Tensor | None,
+    act_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 rollout linear ``x [..., K] -> [..., N]`` (see module docstring).
 
@@ -178,14 +209,25 @@ def nvfp4_linear(
     """
     if act not in ACT_MODES:
         raise QpassError(f"nvfp4_linear at site {site}: act must be one of {ACT_MODES}, got {act!r}")
+    if (act == "nvfp4_static") != (act_amax is not None):
+        raise QpassError(f"nvfp4_linear at site {site}: act {act!r} with act_amax {'given' if act_amax is not None else 'None'} "
+                         "(a calibrated act_amax goes with act='nvfp4_static' only)")
     if x.numel() == 0:
         return x.new_zeros((*x.shape[:-1], w_codes.shape[0]))
-    fn = _dispatch("qpass::nvfp4_linear", NVFP4_WEIGHT, x.device)
-    return fn(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels)
+    _observe(site, x)
+    backend = effective_backend(BACKEND.get(), x.device)
+    fn = kernel("qpass::nvfp4_linear", NVFP4_WEIGHT, backend)
+    args = (x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels)
+    if act_amax is None:
+        return fn(*args)
+    if not supports_static_act(fn):
+        static_act_kernel_check(backend, site)
+    return fn(*args, act_amax=act_amax)
 
 
 @nvfp4_linear.register_fake
-def _nvfp4_linear_fake(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels):  # noqa: ANN001
+def _nvfp4_linear_fake(x, w_codes, w_scales, w_s_dec, bias, site, act, rac_ratio, rac_mode, rac_selection, rac_channels,  # noqa: ANN001
+                       act_amax=None):
     return x.new_empty((*x.shape[:-1], w_codes.shape[0]))
 
 
@@ -307,7 +349,8 @@ register("rollout_lower", NVFP4Spec, claim=True)(RolloutLowering(
     op="qpass::nvfp4_linear", lower_pass="w4a4_lower", k_multiple=16,
     constants=lambda q: {"codes": q.codes, "scales": q.scales, "s_dec": q.s_dec, "s_enc": q.s_enc},
     constant_args={"codes": "w_codes", "scales": "w_scales", "s_dec": "w_s_dec"},
-    act_arg="act", act_value=lambda a: "nvfp4_per_token" if a.global_scope == "per_token" else "nvfp4", no_act="none",
+    act_arg="act", act_value=lambda a: ("nvfp4_per_token" if a.global_scope == "per_token" else
+                                        "nvfp4_static" if a.global_source == "static" else "nvfp4"), no_act="none",
     defaults={"rac_ratio": 0.0, "rac_mode": "masked", "rac_selection": "batch", "rac_channels": None},
 ))
 register("rollout_lower", MXFP4Spec, claim=True)(RolloutLowering(

@@ -3,7 +3,8 @@
 All variants dequantize operands with the SPEC §3 formula to bf16 and accumulate in float32:
 
 * W4A16:  ``y = X @ W_hat^T``                       X bf16 as given, ``W_hat = DQ(Q_W(W))``
-* W4A4:   ``y = X_hat @ W_hat^T``                   ``X_hat = DQ(Q_A(X))`` (dynamic global scale), bf16
+* W4A4:   ``y = X_hat @ W_hat^T``                   ``X_hat = DQ(Q_A(X))`` (dynamic global scale, or a
+  static calibrated one: ``act_spec.global_source == 'static'`` with ``act_amax``), bf16
   saturated to the activation dtype's range (``nvfp4_act_operand``: fp16 65504 -> 65280, not 65536 = inf)
 * W4A4 + RAC: ``y = X_hat @ W_hat^T + R_hat @ W_hat^T``  (two float32 accumulations; gathered mode
   uses the gathered columns of ``W_hat``), see :mod:`qpass.quant.rac`
@@ -24,7 +25,7 @@ import torch
 from qpass.errors import QuantizationError
 from qpass.formats.spec import FP8Spec, NVFP4Spec
 from qpass.quant.fp8 import FP8Tensor, fp8_dequantize, fp8_quantize
-from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_operand, nvfp4_act_quantize, nvfp4_dequantize
 from qpass.quant.rac import RACConfig, rac_num_channels, rac_reference, scatter_gathered
 
 
@@ -61,33 +62,37 @@ def w4a4_linear_reference(
     act_spec: NVFP4Spec,
     rac: RACConfig | None = None,
     static_channels: torch.Tensor | None = None,
+    act_amax: torch.Tensor | None = None,
     w_hat: torch.Tensor | None = None,
     site: str | None = None,
 ) -> torch.Tensor:
-    """NVFP4 weights and dynamically quantized NVFP4 activations, optional RAC.
+    """NVFP4 weights and NVFP4-quantized activations (dynamic or calibrated global scale), optional RAC.
 
     Args:
         x: bf16/fp16/fp32 ``[..., K]`` (all leading dims are one forward batch of tokens).
         w: quantized weight ``[N, K]``.
         bias: optional ``[N]``.
-        act_spec: activation spec (per-tensor or per-token dynamic global scale).
+        act_spec: activation spec (per-tensor or per-token dynamic global scale, or per-tensor static).
         rac: residual compensation options, or None for plain W4A4 (ratio 0 is plain W4A4 too).
         static_channels: calibrated channels for ``rac.selection == 'static'``.
+        act_amax: float32 0-d calibrated amax for a static ``act_spec`` (SPEC §3 with rule 5's global
+            scale from calibration: :func:`qpass.quant.nvfp4.nvfp4_quantize_static`).
         w_hat: optional cached ``nvfp4_dequantize(w, bf16)``.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     Raises:
-        QuantizationError: K mismatch, NaN/inf activations (the message names ``site``).
+        QuantizationError: K mismatch, NaN/inf activations, a static spec without ``act_amax``
+            (the message names ``site``).
     """
     _check_x(x, w.shape[-1], site)
     w_hat = nvfp4_dequantize(w, torch.bfloat16) if w_hat is None else w_hat
     x2 = x.reshape(-1, x.shape[-1])
     wf = w_hat.float()
     if rac is None or rac_num_channels(x2.shape[-1], rac.ratio) == 0:
-        qa = nvfp4_quantize(x2, spec=act_spec, name="activation", site=site)
+        qa = nvfp4_act_quantize(x2, act_spec, act_amax=act_amax, site=site)
         acc = nvfp4_act_operand(qa).float() @ wf.t()
         return _finish(acc, bias, x.shape[:-1], x.dtype)
-    res = rac_reference(x2, rac, act_spec, static_channels=static_channels, site=site)
+    res = rac_reference(x2, rac, act_spec, static_channels=static_channels, act_amax=act_amax, site=site)
     acc = res.x_hat.float() @ wf.t()
     if res.gather_index is None:
         acc = acc + res.comp.float() @ wf.t()

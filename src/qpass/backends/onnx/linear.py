@@ -112,6 +112,9 @@ def _nvfp4_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Ten
     p = rollout_pass(("w4a4_lower", "w4a16_lower"))
     if p is None:
         raise QpassError(f"ONNX export: no w4a4_lower/w4a16_lower pass of {source} targets NVFP4 site {site}")
+    if getattr(p.options, "act_scale", "dynamic") == "static":
+        raise QpassError(f"ONNX export: site {site} uses a static (calibrated) activation scale ({source}); the ONNX "
+                         "emitter quantizes activations dynamically")
     rp = rollout_pass(("residual_compensation",)) if p.options.act != "none" else None
     rac = None
     if rp is not None and rac_num_channels(w.shape[-1], rp.options.ratio) > 0:
@@ -130,7 +133,8 @@ def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> 
     if s.act == "none":
         return Operands(wf, xf)
     if s.act not in ("nvfp4", "nvfp4_per_token"):
-        raise QpassError(f"ONNX export: site {s.site} has unknown NVFP4 activation mode {s.act!r}")
+        raise QpassError(f"ONNX export: site {s.site} has NVFP4 activation mode {s.act!r}, which the ONNX emitter does not "
+                         "implement (dynamic per-tensor or per-token scales only)")
     per_token = s.act == "nvfp4_per_token"
     lim = act_operand_limit(_ONNX_TO_TORCH.get(elem_type, torch.float32))
     if s.rac is not None and (s.rac.selection == "static" or rac_num_channels(k, s.rac.ratio) > 0):
