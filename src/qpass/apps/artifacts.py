@@ -9,10 +9,12 @@
   naming, an encode divisor) so neither convention has to be derived by a reciprocal. FP8 sites:
   ``<site>.weight`` float8_e4m3fn and ``<site>.weight_scale_inv`` float32 block decode multipliers.
   MXFP4 sites: ``<site>.weight`` uint8 packed E2M1 and ``<site>.weight_scale`` uint8 E8M0 bytes.
-  Static RAC sites add ``<site>.rac_channels`` (int64). ``hf_quant_config.json`` records per site the
+  Static RAC sites add ``<site>.rac_channels`` (int64), static activation-scale sites
+  (``w4a4_lower`` ``act_scale: static``) ``<site>.input_amax`` (float32 0-d, the calibrated group amax
+  the op quantizes with). ``hf_quant_config.json`` records per site the
   weight spec, the activation spec (None = weight-only) and the fused group; ``quant_algo`` is
   ``NVFP4`` (W4A4), ``W4A16_NVFP4``, ``FP8_BLOCK`` or ``MXFP4``.
-  Activation scales are dynamic (computed per forward), so no ``input_scale`` is stored.
+  Dynamic activation scales (computed per forward) store nothing.
 * Learner state (``learner/model.safetensors``): the BF16 master weights under Hugging Face names.
 """
 
@@ -47,18 +49,25 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
             continue
         consts = {k: rollout.gm.get_buffer(attr).detach().cpu() for k, attr in rec.constants.items()}
         out.update(entry("export", rec.spec).tensors(sid, consts))
-        ch = _static_channels(rollout, sid)
-        if ch is not None:
-            out[f"{sid}.rac_channels"] = ch.detach().cpu()
+        for arg, name in CALIBRATED_ARGS.items():
+            t = _calibrated_constant(rollout, sid, arg)
+            if t is not None:
+                out[f"{sid}.{name}"] = t.detach().cpu()
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _static_channels(rollout: QGraph, sid: str) -> torch.Tensor | None:
-    """The calibrated RAC channel constant of a site (``selection: static``), or None."""
+# op argument -> checkpoint name of the calibrated constants of a rollout site (qpass calibrate)
+CALIBRATED_ARGS = {"rac_channels": "rac_channels", "act_amax": "input_amax"}
+
+
+def _calibrated_constant(rollout: QGraph, sid: str, arg: str) -> torch.Tensor | None:
+    """A site's calibrated constant: ``rac_channels`` (RAC ``selection: static``) or ``act_amax`` (a
+    static activation scale), or None."""
     for n in rollout.nodes_of_site(sid):
-        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(n)["rac_channels"], torch.fx.Node):
-            return rollout.gm.get_buffer(str(op_args(n)["rac_channels"].target))
+        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(n).get(arg), torch.fx.Node):
+            return rollout.gm.get_buffer(str(op_args(n)[arg].target))
     return None
+
 
 
 def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +106,8 @@ def rollout_quant_config(rollout: QGraph, qpass_version: str) -> dict[str, Any]:
             "group_size": 16 if nvfp4 else None,
             "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier); weight_global_scale = S_enc (encode divisor)",
             "scale_layout": "linear",
-            "input_activations": {"dynamic": True, "per_token": any(getattr(rollout.quant[s].act_spec, "global_scope", None) == "per_token" for s in nvfp4)},
+            "input_activations": {"dynamic": not any(getattr(rollout.quant[s].act_spec, "global_source", None) == "static" for s in nvfp4),
+                                  "per_token": any(getattr(rollout.quant[s].act_spec, "global_scope", None) == "per_token" for s in nvfp4)},
             "exclude_modules": sorted(s for s in rollout.sites if s not in quantized),
             "groups": {s: rollout.quant[s].group for s in sorted(quantized)},
             "rac": {s: dataclasses.asdict(rollout.quant[s].rac) for s in nvfp4 if rollout.quant[s].rac is not None},
@@ -146,7 +156,7 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
     """Overwrite the rollout graph's quantized constants with **every** tensor of a saved ``weights.safetensors``.
 
     Returns the number of tensors loaded (4 per NVFP4 site, 2 per FP8 / MXFP4 site, +1 per static
-    RAC site: the whole file).
+    RAC site and per static activation-scale site: the whole file).
     Raises:
         QpassError: unreadable file; a tensor the graph needs is missing from the file; the file
             has tensors the graph has no constant for (named); shapes/dtypes differ.
@@ -172,12 +182,16 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
             buf.copy_(t)
             used.add(key)
             n += 1
-        ch = _static_channels(rollout, sid)
-        if ch is not None:
-            key = f"{sid}.rac_channels"
-            if key not in data or data[key].shape != ch.shape:
-                raise QpassError(f"{path}: missing or misshapen static RAC channels {key}")
-            ch.copy_(data[key])
+        for arg, name in CALIBRATED_ARGS.items():
+            buf = _calibrated_constant(rollout, sid, arg)
+            if buf is None:
+                continue
+            key = f"{sid}.{name}"
+            if key not in data or data[key].shape != buf.shape or data[key].dtype != buf.dtype:
+                raise QpassError(f"{path}: missing or misshapen calibrated constant {key}")
+            for node in rollout.nodes_of_site(sid):  # every node of the site (each has its own constant)
+                if node.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(node).get(arg), torch.fx.Node):
+                    rollout.gm.get_buffer(str(op_args(node)[arg].target)).copy_(data[key])
             used.add(key)
             n += 1
     if missing:

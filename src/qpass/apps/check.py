@@ -21,6 +21,14 @@ For a saved ``DIR``, in order (each stage fails before the slower next one; :mod
    :mod:`qpass.apps.parity_checks` run on it (the same registry ``qpass apply`` runs), naming the
    site and fused group of any difference.
 
+A calibration (``DIR/calibration``, written by ``qpass apply --calibration``; or ``--calibration CAL``)
+is verified before the model loads (its own checksums and consistency,
+:func:`qpass.calibration.record.load_calibration`; with a ``DIR`` also that it is the one
+``report.json`` recorded, and its files are among those stage 2 checks), then against the loaded
+model's weights, and the rollout is rebuilt from it; stage 4 then compares the saved static
+constants too, and :func:`calibration_problems` names every site whose saved ``rac_channels`` /
+``input_amax`` are not exactly the calibration's.
+
 For a recipe, stages 4-5 run on freshly built graphs (no files).
 """
 
@@ -31,6 +39,8 @@ import contextlib
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from qpass.apps.artifacts import (
     compare_tensors,
@@ -60,6 +70,47 @@ def _check_report(rep: dict[str, Any], where: str) -> None:
     except (KeyError, TypeError) as exc:
         raise QpassError(f"{where} is not a readable qpass report ({type(exc).__name__}: {exc})") from exc
     check_report_fields(rep, where)
+
+
+def _check_calibration(path: Path | None, saved: bool, rep: dict[str, Any], o: ApplyOptions) -> Any:
+    """The calibration a check uses (None: none): ``--calibration`` or the apply output's copy, verified.
+
+    Raises:
+        CalibrationError: unreadable / tampered files, or a ``DIR/calibration`` that is not the one
+            ``report.json`` recorded (exit 2).
+    """
+    from qpass.apps.calibrate import load_for_model
+    from qpass.calibration.source import CalibrationError
+
+    rec = (rep.get("artifacts") or {}).get("calibration") if saved else None
+    if o.calibration is not None:
+        cal = load_for_model(o.calibration, None)
+        if rec and cal.meta.get("sha256") != rec.get("sha256"):
+            raise CalibrationError(f"--calibration {o.calibration} is not the calibration {path} was applied with "
+                                   f"(sha256 {str(cal.meta.get('sha256'))[:12]}..., report.json records {str(rec.get('sha256'))[:12]}...)")
+        return cal
+    if not rec:
+        return None
+    cal = load_for_model(path / rec.get("dir", "calibration"), None, flag=f"{path}/calibration")
+    if cal.meta.get("sha256") != rec.get("sha256"):
+        raise CalibrationError(f"{path}/calibration: its sha256 differs from the one report.json records (a different calibration)")
+    return cal
+
+
+def calibration_problems(cal: Any, saved: dict[str, Any], what: str) -> list[str]:
+    """Sites whose saved calibrated constants are not exactly ``cal``'s: ``<site>.rac_channels`` (the
+    file's channels) and ``<site>.input_amax`` (the file's group amax, bit for bit)."""
+    problems = []
+    for key, t in sorted(saved.items()):
+        site, _, name = key.rpartition(".")
+        if name == "rac_channels":
+            e = cal.rac.get(site)
+            if e is None or not torch.equal(e.channels, t):
+                problems.append(f"{what}: {key} are not the static RAC channels of {cal.name}")
+        elif name == "input_amax":
+            if site not in cal.amax or not torch.equal(cal.group_amax(site).view(torch.int32), t.float().reshape(()).view(torch.int32)):
+                problems.append(f"{what}: {key} is not the calibrated group amax of {cal.name}")
+    return problems
 
 
 def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipeline: Any = None,
@@ -124,6 +175,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
             con.print(f"qpass check {target}: [red]FAIL[/] (the apply's files disagree with each other)")
             return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
         recipe = parse_recipe(apply_dir.recipe_text, str(path / "rollout" / "recipe.yaml"))
+        cal = _check_calibration(path, True, rep, o)
     else:
         try:
             recipe = load_recipe(target)
@@ -132,13 +184,18 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
                 raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
             raise
         model, bsz, max_len = o.model, 4, 64
+        cal = _check_calibration(None, False, {}, o)
     result["recipe"] = recipe.name
+    if cal is not None:
+        result["calibration"] = cal.summary()
     failures: list[str] = []
     loaded: dict[str, int] = {}
     load_backends([o.kernels])
     with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
         pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
-        learner, rollout = pipe.build(recipe, debug=True)
+        if cal is not None:
+            cal.check_model(pipe.loaded.model)
+        learner, rollout = pipe.build(recipe, debug=True, calibration=cal)
         if arts.get("learner"):
             loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
         if arts.get("rollout", {}).get("weights"):
@@ -147,6 +204,8 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
             sync_weights(learner, rollout)  # what the saved (or fresh) masters quantize to
             saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
             tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
+            if cal is not None:
+                tensor_problems += calibration_problems(cal, saved_tensors, "rollout/weights.safetensors")
             result["compared"] = {"rollout_tensors": len(saved_tensors)}
             failures += tensor_problems
             loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
@@ -225,6 +284,9 @@ def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
                     "(to rebuild the graphs and name the sites of a change)")
     ap.add_argument("--json", type=Path, help="write the check result as JSON here")
     add_rollout_engine(ap)
+    from qpass.apps.calibrate import add_calibration_arg
+
+    add_calibration_arg(ap, "DIR: default DIR/calibration; must be the one DIR was applied with")
     add_threads(ap)
     add_verbose(ap)
     return ap
@@ -240,7 +302,8 @@ def main_check(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, rollout_engine=a.rollout_engine)
+    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, rollout_engine=a.rollout_engine,
+                     calibration=a.calibration)
     status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
     if a.json:
         write_json(a.json, result)

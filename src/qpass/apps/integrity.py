@@ -103,7 +103,8 @@ class ApplyDir:
         root: the directory.
         report: ``report.json``.
         sums: ``report.artifacts.sha256`` (relative path -> hex), or None (an older report).
-        reads: the files (relative paths) the reading command will read besides ``report.json``.
+        reads: the files (relative paths) the reading command will read besides ``report.json``
+            (the rollout and learner files, and the calibration copy when the apply used one).
     """
 
     root: Path
@@ -158,10 +159,19 @@ def open_apply_dir(root: str | Path, *, need_rollout: bool = True,
             reads.append(ROLLOUT_WEIGHTS)
     if arts.get("learner"):
         reads.append(LEARNER_STATE)
+    cal = arts.get("calibration")
+    if cal:  # the calibration copy `qpass apply --calibration` wrote (qpass.calibration.record verifies its content)
+        from qpass.calibration.record import JSON_NAME, TENSORS_NAME
+
+        sub = cal.get("dir", "calibration") if isinstance(cal, dict) else None
+        if not isinstance(sub, str) or not sub or "/" in sub or "\\" in sub or sub in (".", ".."):
+            raise QpassError(f"{root / REPORT} is not a readable qpass report (artifacts.calibration.dir is {sub!r}, "
+                             "expected a subdirectory name)")
+        reads += [f"{sub}/{JSON_NAME}", f"{sub}/{TENSORS_NAME}"]
     from qpass.apps.artifacts import probe_safetensors
 
     for rel in reads:
-        what = WHAT[rel]
+        what = WHAT.get(rel, "calibration copy")
         if not (root / rel).is_file():
             raise QpassError(f"{what} {root / rel} is missing")
         if rel.endswith(".safetensors"):
