@@ -11,7 +11,7 @@
 #   bash scripts/gpu_grpo_long.sh all       # speed, then one long segment within the same 9 minutes (SEG_S shrinks)
 #
 # State between calls: $CKPT_DIR (default $REPO/.device_out/grpo_long_ckpt, git-ignored, kept on
-# a warm machine): one <recipe>.pt per run (model, AdamW, RNG, step, every metric row so far).
+# a warm machine): one <recipe>.ckpt directory per run (model, AdamW, RNG, step, every metric row so far; manifest-verified).
 # Each call writes the complete runs so far under $OUT (fresh per call), so whatever call is the
 # last, $OUT holds the metrics of the whole chain:
 #   speed/{off,on}/<recipe>/   run dirs of the speed probe; speed.json: steps/s off vs on

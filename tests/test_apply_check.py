@@ -19,6 +19,8 @@ from qpass.errors import QpassError
 from tests.test_grpo import FakeTok
 
 SITE = "model.layers.1.mlp.up_proj"
+_EDITED = ("report.json: its content differs from the digest qpass apply recorded in it (integrity.report_sha256): "
+           "report.json was edited after it was written")
 
 
 def _strict(text: str):
@@ -128,6 +130,12 @@ def test_check_rejects_missing_or_corrupt_artifacts_before_loading(applied, tiny
     del rep["artifacts"]["learner"]
     del rep["artifacts"]["sha256"]["learner/model.safetensors"]
     (d / "report.json").write_text(json.dumps(rep))
+    # an edited report is refused by its own digest; re-sealed, it reads as an apply without learner state
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["failures"] == [_EDITED]
+    from tests._tamper import seal
+
+    (d / "report.json").write_text(json.dumps(seal(rep)))
     status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
     assert res["loaded"] == {"rollout_tensors": 4 * 14}
     # bit-exact against the in-memory learner of the shared pipeline, which still holds the masters
@@ -205,3 +213,73 @@ def test_output_reserved_by_another_run_or_a_dangling_link_exits_2_before_work(t
     assert cli_main(["apply", "quads_nvfp4", "--out", str(link)]) == 2
     assert "dangling symbolic link" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "o"]
+
+
+# ----------------------------------------------------------------------------- integrity across commands
+
+
+def test_edited_recipe_text_inside_the_report_fails_with_and_without_checksums(applied, tiny_pipe, tmp_path):
+    """Old code: ``qpass check`` rebuilt the graphs from report.json's recipe text, which no checksum
+    covered, so a report whose recipe says RAC 5% where the apply ran 50% passed (exit 0), both ways."""
+    from tests._tamper import edit_report
+
+    d = _copy(applied[2], tmp_path)
+    edit_report(d, lambda rep: rep["recipe"].update(text=rep["recipe"]["text"].replace("ratio: 0.5", "ratio: 0.05")))
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["failures"] == [_EDITED]
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)
+    assert status == 1 and res["consistent"] is False
+    assert res["failures"] == ["rollout/recipe.yaml differs from the recipe text in report.json (first difference at line 13: "
+                               "'ratio: 0.5' vs 'ratio: 0.05')"]
+
+
+def test_no_checksums_still_compares_the_quantization_config_with_the_rebuilt_rollout(applied, tiny_pipe, tmp_path):
+    """Old code: with --no-checksums hf_quant_config.json was never read (an edited RAC ratio passed)."""
+    from tests._tamper import RAC_SITE, set_rac_ratio
+
+    d = _copy(applied[2], tmp_path)
+    set_rac_ratio(d, 0.05)
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["failures"] == [
+        "rollout/hf_quant_config.json: sha256 differs from report.json (the file changed after qpass apply wrote it)"]
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)
+    assert status == 1 and res["failures"] == [
+        f"rollout/hf_quant_config.json: quantization.rac[{RAC_SITE}].ratio: the file has 0.05, the rebuilt rollout 0.5"]
+
+
+def test_resealed_edits_are_caught_by_the_cross_checks(applied, tiny_pipe, tmp_path):
+    """A consistent forgery (checksums and digest rewritten): the files still have to agree with each
+    other and with the graphs rebuilt from the recipe. Old code: all three passed."""
+    from tests._tamper import RAC_SITE, edit_report, edit_text, reseal, set_rac_ratio
+
+    d = _copy(applied[2], tmp_path)
+    set_rac_ratio(d, 0.05)
+    reseal(d)
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["checksums_ok"] is True and res["failures"] == [
+        f"rollout/hf_quant_config.json: quantization.rac[{RAC_SITE}].ratio: the file has 0.05, the rebuilt rollout 0.5"]
+    d = _copy(applied[2], tmp_path / "b")
+    edit_report(d, lambda rep: rep["sites"].update(rac=0))
+    reseal(d)
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["failures"] == ["report.json: sites.rac is 0, the graphs rebuilt from the recipe have 4"]
+    d = _copy(applied[2], tmp_path / "c")
+    edit_text(d, "rollout/recipe.yaml", "ratio: 0.5", "ratio: 0.05")
+    reseal(d)
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["failures"][0].startswith("rollout/recipe.yaml differs from the recipe text in report.json")
+
+
+def test_a_file_check_reads_must_be_covered_by_the_checksums(applied, tiny_pipe, tmp_path):
+    from tests._tamper import edit_report, seal
+
+    d = _copy(applied[2], tmp_path)
+
+    def drop(rep):
+        del rep["artifacts"]["sha256"]["rollout/hf_quant_config.json"]
+        seal(rep)
+
+    edit_report(d, drop)
+    status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
+    assert status == 1 and res["failures"] == [
+        "rollout/hf_quant_config.json: read by this command but not covered by the checksums in report.json"]

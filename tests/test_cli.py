@@ -26,11 +26,14 @@ def _options(parser) -> set[str]:
 def test_one_tree_with_shared_flags():
     ap = build_parser()
     sub = next(a for a in ap._actions if a.dest == "command")
-    assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "export", "recipes", "bench", "grpo", "grpo-plot", "study"}
-    shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose", "--rollout-engine"},
-              "check": {"--threads", "--dtype", "-v", "--verbose", "--rollout-engine"},
-              "export": {"--threads", "--force", "-v", "--verbose"},
-              "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose", "--rollout-engine"},
+    assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "export", "calibrate", "recipes", "bench", "grpo", "grpo-plot",
+                                                       "study"}
+    shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose", "--rollout-engine", "--calibration"},
+              "check": {"--threads", "--dtype", "-v", "--verbose", "--rollout-engine", "--calibration"},
+              "export": {"--threads", "--force", "-v", "--verbose", "--calibration"},
+              "calibrate": {"--threads", "--dtype", "--force", "-v", "--verbose"},
+              "grpo": {"--threads", "--dtype", "--force", "--overwrite", "-v", "--verbose", "--rollout-engine", "--calibration",
+                       "--recalibrate"},
               "study": {"--threads", "--force", "-v", "--verbose", "--rollout-engine"},
               "bench": {"--threads", "-v", "--verbose"}}  # bench: parser in qpass.apps.bench (was none)
     for name, flags in shared.items():

@@ -63,6 +63,10 @@ def _bomb(levels: int = 4, width: int = 9) -> str:
 RAC = "name: {n}\nrollout:\n  - pass: w4a4_lower\n  - pass: residual_compensation\n"
 
 
+#: The recipe part of the export rows' reports (``qpass.apps.integrity`` checks it before the model fields).
+_EXP_RECIPE = {"recipe": {"name": "x", "text": "name: x\n"}}
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Bad inputs of every class: recipes, model references, apply outputs, checkpoints, run dirs."""
@@ -93,20 +97,30 @@ def corpus(tmp_path_factory) -> Path:
         "rep_batch/report.json": json.dumps({"recipe": {"text": "name: x\n"}, "parity": {"probe": {"rollout_batch": "4", "max_len": 64}}}),
         "rep_badrecipe/report.json": json.dumps({"recipe": {"text": "name: x\nrollout:\n  - pass: nope\n"},
                                                  "parity": {"probe": {"rollout_batch": 4, "max_len": 64}}}),
+        "rep_badrecipe/rollout/recipe.yaml": "name: x\nrollout:\n  - pass: nope\n",  # the copy equals the report's text
+        "rep_badrecipe/rollout/hf_quant_config.json": "{}",
         "rep_empty/report.json": "{}",
         "rep_arts/report.json": json.dumps({"recipe": {"text": "name: x\n"}, "parity": {"probe": {"rollout_batch": 4, "max_len": 64}},
                                             "artifacts": {"rollout": "weights"}}),
         "rep_weights/report.json": json.dumps({"recipe": {"text": "name: x\n"}, "parity": {"probe": {"rollout_batch": 4, "max_len": 64}},
                                                "artifacts": {"rollout": {"weights": "rollout/weights.safetensors"}}}),
         "rep_weights/rollout/weights.safetensors": b"\xff" * 64,
-        "exp_noref/report.json": json.dumps({"model": {}}),
+        "rep_weights/rollout/recipe.yaml": "name: x\n",  # complete but for the weights (the integrity chain reads these first)
+        "rep_weights/rollout/hf_quant_config.json": "{}",
+        # export rows: a recipe (report text == its copy) so the integrity chain reaches the field under test
+        "exp_noref/report.json": json.dumps({"model": {}, **_EXP_RECIPE}),
         "exp_noref/rollout/hf_quant_config.json": "{}",
-        "exp_badqcfg/report.json": json.dumps({"model": {"ref": "default"}}),
+        "exp_badqcfg/report.json": json.dumps({"model": {"ref": "default"}, **_EXP_RECIPE}),
         "exp_badqcfg/rollout/hf_quant_config.json": json.dumps({"quantization": {"sites": [1]}}),
-        "exp_modelref/report.json": json.dumps({"model": {"ref": ["default"]}}),
+        "exp_modelref/report.json": json.dumps({"model": {"ref": ["default"]}, **_EXP_RECIPE}),
         "exp_modelref/rollout/hf_quant_config.json": json.dumps({"quantization": {}}),
-        "exp_nomodel/report.json": json.dumps({"model": "default"}),
+        "exp_nomodel/report.json": json.dumps({"model": "default", **_EXP_RECIPE}),
         "exp_nomodel/rollout/hf_quant_config.json": "{}",
+        **{f"{d}/rollout/recipe.yaml": "name: x\n" for d in ("exp_noref", "exp_badqcfg", "exp_modelref", "exp_nomodel")},
+        "prompts_nonutf8.jsonl": b'"ok"\n"caf\xe9"\n',
+        "prompts_bad.jsonl": '"ok"\n{not json\n',
+        "prompts_nums.json": "[1, 2]",
+        "cal_garbage/calibration.json": b"\x80 not json",
         "run_garbage/metrics.jsonl": b"\x00\xff garbage\n",
         "run_badjson/metrics.jsonl": "{not json\n",
         "run_listrow/metrics.jsonl": "[1]\n[2]\n",
@@ -242,6 +256,29 @@ ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("study-seed", "study --out {O} --seed -1", ("--seed", "seed in [0, 2^63 - 1], got -1")),
     ("study-out-proc", "study --out /proc/o4", ("/proc/o4: cannot create files in /proc",)),
     ("study-model-bert", "study --out {O} --model {C}/bert", ("--model", "not a causal LM")),
+    # ---- calibrate (and --calibration of the commands that read a calibration)
+    ("calibrate-missing-recipe", "calibrate {C}/nope.yaml --out {O}", ("nope.yaml' not found",)),
+    ("calibrate-dupkey", "calibrate {C}/dupkey.yaml --out {O}", ("dupkey.yaml:4: duplicate key 'rollout' (first at line 2)",)),
+    ("calibrate-no-out", "calibrate quads_nvfp4", ("the following arguments are required: --out",)),
+    ("calibrate-prompts-missing", "calibrate quads_nvfp4 --prompts {C}/nothing.jsonl --out {O}", ("--prompts", "nothing.jsonl: cannot read")),
+    ("calibrate-prompts-nonutf8", "calibrate quads_nvfp4 --prompts {C}/prompts_nonutf8.jsonl --out {O}",
+     ("prompts_nonutf8.jsonl: not UTF-8 (byte offset 9)",)),
+    ("calibrate-prompts-bad-line", "calibrate quads_nvfp4 --prompts {C}/prompts_bad.jsonl --out {O}", ("prompts_bad.jsonl:2: not JSON",)),
+    ("calibrate-prompts-not-strings", "calibrate quads_nvfp4 --prompts {C}/prompts_nums.json --out {O}",
+     ("prompts_nums.json: expected a list of non-empty strings",)),
+    ("calibrate-num-prompts-0", "calibrate quads_nvfp4 --num-prompts 0 --out {O}", ("--num-prompts",)),
+    ("calibrate-num-prompts-huge", "calibrate quads_nvfp4 --num-prompts 1000 --out {O}", ("--num-prompts 1000: the prompt source has 24 prompts",)),
+    ("calibrate-model-bert", "calibrate quads_nvfp4 --model {C}/bert --out {O}", ("--model", "BertForMaskedLM (bert), not a causal LM")),
+    ("calibrate-out-proc", "calibrate quads_nvfp4 --out /proc/qpass-cal", ("/proc/qpass-cal: cannot create files in /proc",)),
+    ("calibrate-out-is-file", "calibrate quads_nvfp4 --out {C}/afile", ("afile exists and is a file",)),
+    ("apply-calibration-missing", "apply quads_nvfp4 --out {O} --calibration {C}/nothing", ("--calibration", "nothing: no calibration.json there")),
+    ("apply-calibration-garbage", "apply quads_nvfp4 --out {O} --calibration {C}/cal_garbage",
+     ("--calibration", "cal_garbage/calibration.json is not readable JSON")),
+    ("check-calibration-missing", "check quads_nvfp4 --calibration {C}/nothing", ("--calibration", "nothing: no calibration.json there")),
+    ("export-calibration-missing", "export --model default --recipe quads_nvfp4 --out {O} --calibration {C}/nothing",
+     ("--calibration", "nothing: no calibration.json there")),
+    ("grpo-calibration-missing", "grpo --recipe bf16 --out {O} --calibration {C}/nothing", ("--calibration", "nothing: no calibration.json there")),
+    ("grpo-recalibrate-alone", "grpo --recipe bf16 --out {O} --recalibrate", ("--recalibrate needs --calibration CAL",)),
     # ---- bench, recipes, the tree
     ("bench-budget", "bench --budget-s -1", ("--budget-s",)),
     ("bench-out-proc", "bench --quick --out /proc/b.json", ("--out /proc/b.json: cannot create files in /proc",)),
@@ -306,16 +343,22 @@ def test_an_internal_error_is_exit_70_with_its_traceback_never_1(tmp_path, capsy
 
 
 def test_garbage_grpo_checkpoint_is_bad_input(tmp_path):
-    """Old code: ``torch.load`` of random bytes raised ``UnpicklingError`` (a traceback, exit 1)."""
-    from qpass.apps.grpo.checkpoint import load_checkpoint
+    """Old code: ``torch.load`` of random bytes raised ``UnpicklingError`` (a traceback, exit 1).
+
+    Checkpoints are ``<recipe>.ckpt`` directories now (qpass.apps.grpo.checkpoint): a file given as
+    one is refused unread, and the legacy converter (the one reader of old ``.pt`` bytes) names it."""
+    from qpass.apps.grpo.checkpoint import convert_legacy_checkpoint, load_checkpoint
     from qpass.errors import QpassError
 
     for name, data in (("garbage.pt", bytes(range(256)) * 2), ("empty.pt", b""), ("text.pt", b"hello world\n"),
                        ("zip.pt", b"PK\x03\x04" + bytes(60))):
         f = tmp_path / name
         f.write_bytes(data)
-        with pytest.raises(QpassError, match=rf"{name}: cannot read the GRPO checkpoint"):
+        with pytest.raises(QpassError, match=rf"{name} is a file, not a qpass-grpo-checkpoint/2 checkpoint directory"):
             load_checkpoint(object(), f)  # refused before the trainer is touched
+        with pytest.raises(QpassError, match=rf"{name}: not a readable qpass-grpo-checkpoint/1 file"):
+            convert_legacy_checkpoint(f)
+        assert not f.with_suffix(".ckpt").exists()
 
 
 def test_task_size_is_known_without_drawing():

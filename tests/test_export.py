@@ -108,9 +108,10 @@ def test_qpass_export_of_apply_dir_holds_the_rollout_bytes_and_every_tensor(qpas
     assert rec["quantized_sites"] == 14 and rec["calibration"]["sequences"] == 3
 
 
-def test_input_scale_is_group_amax_over_2688_from_the_calibration_prompts(qpass_ckpt, tiny_hf):
+def test_input_scale_is_spec3_s_dec_of_the_group_amax_from_the_calibration_prompts(qpass_ckpt, tiny_hf):
     """Recomputed another way: q/k/v read input_layernorm's output, gate/up post_attention_layernorm's,
-    o_proj / down_proj their own input; amax over the 3 chat-templated probe prompts."""
+    o_proj / down_proj their own input; amax over the 3 chat-templated probe prompts; input_scale is
+    S_dec = fl(1/fl(2688/amax)) (SPEC §3, as weight_scale_2; was ModelOpt's fl(amax/2688) before issue 31)."""
     from qpass.graph.model import load_model
     from qpass.prompts import encode_chat, probe_prompts
 
@@ -140,7 +141,8 @@ def test_input_scale_is_group_amax_over_2688_from_the_calibration_prompts(qpass_
     for i in (0, 1):
         for p, key in (("self_attn.q_proj", "attn_in"), ("self_attn.k_proj", "attn_in"), ("self_attn.v_proj", "attn_in"),
                        ("self_attn.o_proj", "o_in"), ("mlp.gate_proj", "mlp_in"), ("mlp.up_proj", "mlp_in"), ("mlp.down_proj", "down_in")):
-            want[f"model.layers.{i}.{p}.input_scale"] = torch.tensor(seen[f"{i}.{key}"], dtype=torch.float32) / torch.tensor(2688.0)
+            s_enc = torch.tensor(2688.0) / torch.tensor(seen[f"{i}.{key}"], dtype=torch.float32)
+            want[f"model.layers.{i}.{p}.input_scale"] = torch.tensor(1.0) / s_enc
     assert_same_tensors({k: got[k] for k in want}, want)
 
 
@@ -286,11 +288,12 @@ def test_modelopt_export_matches_a_real_modelopt_export_of_the_same_model(act, t
     assert {k: got["config"][k] for k in ref["config"] if k != "transformers_version"} == \
         {k: v for k, v in ref["config"].items() if k != "transformers_version"}
     assert set(got["files"]) - set(ref["files"]) == {RECORD}
-    # bytes: everything but some codes and global scales is identical (the global-scale convention differs by an ulp)
+    # bytes: everything but some codes and global scales is identical (the global-scale convention differs by an
+    # ulp: qpass writes S_dec = fl(1/fl(2688/amax)) as weight_scale_2 and input_scale, ModelOpt fl(amax/2688))
     same = {k for k in ref["tensors"] if got["tensors"][k]["sha256"] == ref["tensors"][k]["sha256"]}
     differ = {k.rsplit(".", 1)[-1] for k in set(ref["tensors"]) - same}
-    assert differ <= {"weight", "weight_scale", "weight_scale_2"}
-    assert all(k in same for k in ref["tensors"] if k.endswith(("input_scale", "norm.weight", "embed_tokens.weight", "lm_head.weight")))
+    assert differ <= {"weight", "weight_scale", "weight_scale_2", "input_scale"}
+    assert all(k in same for k in ref["tensors"] if k.endswith(("norm.weight", "embed_tokens.weight", "lm_head.weight")))
 
 
 def test_modelopt_refuses_per_token_activations(tiny_hf, tmp_path):
@@ -321,7 +324,7 @@ def test_compressed_tensors_export_loads_in_transformers_and_decompresses_to_qpa
     s = "model.layers.0.mlp.gate_proj"
     assert files[f"{s}.weight_packed"].dtype == torch.uint8 and files[f"{s}.weight_global_scale"].shape == (1,)
     assert torch.equal(bits(files[f"{s}.weight_global_scale"].reshape(())), bits(rollout[f"{s}.weight_global_scale"].reshape(())))
-    for p in ("gate_proj", "up_proj"):  # fl(2688/amax) vs the qpass file's fl(amax/2688): reciprocal to 2 ulp, one per group
+    for p in ("gate_proj", "up_proj"):  # S_enc = fl(2688/amax) vs the qpass file's S_dec = fl(1/S_enc): reciprocal to 1 ulp, one per group
         igs = files[f"model.layers.0.mlp.{p}.input_global_scale"]
         assert torch.equal(bits(igs), bits(files[f"{s}.input_global_scale"]))
         assert abs(float(igs.double() * q[f"{s}.input_scale"].double()) - 1) < 2**-22
@@ -424,3 +427,77 @@ def test_modelopt_arithmetic_of_the_reference_quantizer_on_hand_values():
     assert te.scales.float().tolist()[0][1] == 0.0
     assert mo.codes[0, 0] == 0x7 | (0xD << 4)  # 0.625 -> 6 (code 7), -0.3125 -> -3 (sign 8 | code 5 = 0xD)
     assert mo.spec.key == "nvfp4.weight.per_tensor.modelopt"
+
+
+# ----------------------------------------------------------------------------- integrity: export verifies what it reads
+
+def _apply_copy(tiny_apply, tmp_path):
+    d = tmp_path / "apply"
+    shutil.copytree(tiny_apply, d)
+    return d
+
+
+def _refused(d, tmp_path, capsys) -> str:
+    """``qpass export d`` exits 1 and writes nothing; returns stderr."""
+    out = tmp_path / "out" / "ckpt"
+    assert cli_main(["export", str(d), "--out", str(out), "--calibration-prompts", "1"]) == 1
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []  # no checkpoint, no temp dir
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tamper, rel", [
+    ("flip_last_byte", "learner/model.safetensors"),
+    ("flip_rollout_code", "rollout/weights.safetensors"),
+    ("set_rac_ratio", "rollout/hf_quant_config.json"),
+])
+def test_export_refuses_an_apply_dir_whose_files_changed(tiny_apply, tmp_path, capsys, tamper, rel):
+    """Old code: each of these exported (exit 0) and published the altered checkpoint."""
+    import tests._tamper as T
+
+    d = _apply_copy(tiny_apply, tmp_path)
+    getattr(T, tamper)(d, *(["learner/model.safetensors"] if tamper == "flip_last_byte" else []))
+    err = _refused(d, tmp_path, capsys)
+    assert f"{rel}: sha256 differs from report.json" in err and "nothing was exported" in err
+
+
+def test_export_refuses_an_edited_report(tiny_apply, tmp_path, capsys):
+    from tests._tamper import edit_report
+
+    d = _apply_copy(tiny_apply, tmp_path)
+    edit_report(d, lambda rep: rep["model"].update(dtype="fp32"))
+    assert "report.json: its content differs from the digest qpass apply recorded in it" in _refused(d, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ("rac", "rollout/hf_quant_config.json: quantization.rac[model.layers.0.mlp.gate_proj].ratio: the file has 0.05, "
+            "the rebuilt rollout 0.5"),
+    ("learner", "rollout/weights.safetensors: model.layers.1.mlp.up_proj.weight: "),
+    ("recipe", "rollout/recipe.yaml differs from the recipe text in report.json (first difference at line 13"),
+])
+def test_export_cross_checks_a_consistently_resealed_apply_dir(tiny_apply, tmp_path, capsys, tamper, message):
+    """Checksums and digest rewritten to match: the recipe copy, the report, the quantization config and
+    the rollout rebuilt from the recipe on the saved masters still have to agree. Old code: exit 0."""
+    import tests._tamper as T
+
+    d = _apply_copy(tiny_apply, tmp_path)
+    {"rac": T.set_rac_ratio, "learner": T.scale_learner_weight,
+     "recipe": lambda d: T.edit_text(d, "rollout/recipe.yaml", "ratio: 0.5", "ratio: 0.05")}[tamper](d)
+    T.reseal(d)
+    assert message in _refused(d, tmp_path, capsys)
+
+
+def test_export_verifies_the_model_files_the_apply_ran_on(tiny_apply, tiny_hf, tmp_path, capsys):
+    """The report records the sha256 of the model directory the apply read (what export rebuilds from)."""
+    import tests._tamper as T
+
+    rep = json.loads((tiny_apply / "report.json").read_text())
+    assert rep["model"]["files"]["config.json"] == T.hashlib.sha256((tiny_hf / "config.json").read_bytes()).hexdigest()
+    model = tmp_path / "model"
+    shutil.copytree(tiny_hf, model)
+    d = _apply_copy(tiny_apply, tmp_path)
+    T.edit_report(d, lambda rep: rep["model"].update(source=str(model), ref=str(model)))
+    T.reseal(d)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"rms_norm_eps": cfg["rms_norm_eps"] * 2}))
+    err = _refused(d, tmp_path, capsys)
+    assert f"model file {model / 'config.json'}: sha256 differs from the one recorded in report.json" in err

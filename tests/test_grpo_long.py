@@ -11,6 +11,7 @@ one CUDA-graph equality test (gpu tier).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,9 +85,9 @@ def test_resume_is_bit_identical_on_cpu(tiny_pipeline, tmp_path):
     first = tiny_trainer(tiny_pipeline, "quads_nvfp4", cfg, tmp_path / "b")
     res = first.run(2)
     assert res.stop_reason == "segment" and res.final == {}
-    first.save_checkpoint(tmp_path / "ck.pt")
+    first.save_checkpoint(tmp_path / "ck.ckpt")
     second = tiny_trainer(tiny_pipeline, "quads_nvfp4", cfg, tmp_path / "c")
-    assert second.load_checkpoint(tmp_path / "ck.pt") == 2
+    assert second.load_checkpoint(tmp_path / "ck.ckpt") == 2
     res = second.run()
     assert res.stop_reason == "completed" and [r["step"] for r in res.rows] == [3, 4]
     for (n, p), (_, q) in zip(straight.le.named_parameters(), second.le.named_parameters()):
@@ -101,9 +102,189 @@ def test_resume_is_bit_identical_on_cpu(tiny_pipeline, tmp_path):
         second.run()
     other = tiny_trainer(tiny_pipeline, "quads_nvfp4", cfg.model_copy(update={"lr": 2e-3}))
     with pytest.raises(QpassError, match=r"differs from the checkpoint's \(lr: checkpoint 0.001, now 0.002\)"):
-        other.load_checkpoint(tmp_path / "ck.pt")
+        other.load_checkpoint(tmp_path / "ck.ckpt")
     with pytest.raises(QpassError, match="recipe 'quads_nvfp4', this run is 'w4a16_qat'"):
-        tiny_trainer(tiny_pipeline, "w4a16_qat", cfg).load_checkpoint(tmp_path / "ck.pt")
+        tiny_trainer(tiny_pipeline, "w4a16_qat", cfg).load_checkpoint(tmp_path / "ck.ckpt")
+
+
+class _Evil:
+    """Unpickles as ``open(marker, "w")``: a checkpoint file that runs code when fully unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _flip_saved_master_byte(path):
+    """Flip one bit inside the saved FP32 master weights of a checkpoint, in either format (so the
+    test shows what the pickle format of a264965 did with it: it resumed and trained on)."""
+    import zipfile
+
+    if path.is_dir():
+        f = path / "masters.safetensors"
+        raw = bytearray(f.read_bytes())
+        raw[-3] ^= 0x10
+        f.write_bytes(bytes(raw))
+        return
+    with zipfile.ZipFile(path) as z:  # torch.save's zip: the largest data record is a weight tensor
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw[start + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _one_step_checkpoint(tiny_pipeline, path):
+    cfg = tiny_cfg(steps=2, eval_every=0, diag_every=0, bitexact_every=0, initial_check=False)
+    first = tiny_trainer(tiny_pipeline, "w4a16_qat", cfg)
+    first.run(1)
+    first.save_checkpoint(path)
+    return cfg
+
+
+def test_a_flipped_byte_in_the_saved_weights_stops_the_resume(tiny_pipeline, tmp_path):
+    """Old code: the pickle loaded the altered weights and the run trained on (exit 0)."""
+    from qpass.errors import ParityError
+
+    ck = tmp_path / "w4a16_qat.ckpt"
+    cfg = _one_step_checkpoint(tiny_pipeline, ck)
+    _flip_saved_master_byte(ck)
+    second = tiny_trainer(tiny_pipeline, "w4a16_qat", cfg)
+    before = [p.detach().clone() for p in second.opt.master]
+    with pytest.raises(ParityError, match=r"masters.safetensors: sha256 differs from manifest.json") as exc:
+        second.load_checkpoint(ck)
+    assert type(exc.value).__name__ == "IntegrityError"  # exit status 1
+    assert second.step_idx == 0 and all(torch.equal(a, b) for a, b in zip(before, second.opt.master))  # untouched
+
+
+def test_a_crafted_pickle_never_runs(tiny_cli, tmp_path, capsys):
+    """Old code: --resume unpickled <recipe>.pt with weights_only=False, so the file ran code."""
+    from qpass.apps.grpo.cli import main
+
+    ck, marker = tmp_path / "ck", tmp_path / "pwned"
+    ck.mkdir()
+    torch.save(_Evil(marker), ck / "w4a16_qat.pt")
+    args = ["grpo", "--recipe", "w4a16_qat", "--steps", "2", "--out", str(tmp_path / "run"), "--checkpoint-dir", str(ck), "--resume"]
+    assert main([*args, *tiny_cli]) == 2
+    assert not marker.exists() and not (tmp_path / "run").exists()
+    err = capsys.readouterr().err
+    assert f"{ck / 'w4a16_qat.pt'} is a checkpoint of an older qpass" in err and "convert" in err
+    from qpass.apps.grpo.checkpoint import convert_legacy_checkpoint
+    from qpass.errors import QpassError
+
+    with pytest.raises(QpassError, match="weights_only=True"):  # the converter reads plain data only
+        convert_legacy_checkpoint(ck / "w4a16_qat.pt")
+    assert not marker.exists() and not (ck / "w4a16_qat.ckpt").exists()
+
+
+def test_garbage_bytes_are_a_clean_error(tiny_cli, tmp_path, capsys):
+    """Old code: garbage at <recipe>.pt escaped as an UnpicklingError traceback."""
+    from qpass.apps.grpo.cli import main
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "w4a16_qat.pt").write_bytes(bytes(range(256)) * 4)
+    args = ["grpo", "--recipe", "w4a16_qat", "--steps", "2", "--out", str(tmp_path / "run"), "--checkpoint-dir", str(ck), "--resume"]
+    assert main([*args, *tiny_cli]) == 2
+    assert "w4a16_qat.pt is a checkpoint of an older qpass" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_files_are_verified_and_schema_checked_before_use(tiny_pipeline, tmp_path):
+    """Each file of a checkpoint directory, altered: a digest mismatch is IntegrityError (exit 1); a
+    file that matches a (rewritten) manifest but is garbage, a pickle or off-schema is QpassError
+    (exit 2); nothing runs code and the trainer stays untouched."""
+    import hashlib
+    import json
+    import shutil
+
+    from qpass.apps.grpo.checkpoint import read_checkpoint
+    from qpass.errors import IntegrityError, QpassError
+
+    ck = tmp_path / "w4a16_qat.ckpt"
+    cfg = _one_step_checkpoint(tiny_pipeline, ck)
+    assert sorted(p.name for p in ck.iterdir()) == ["manifest.json", "masters.safetensors", "optimizer.safetensors",
+                                                    "params.safetensors", "rng.safetensors", "state.json"]
+    state = read_checkpoint(ck)
+    assert state["step"] == 1 and state["recipe"] == "w4a16_qat" and isinstance(state["adam"]["state"][0]["exp_avg"], torch.Tensor)
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save(_Evil(marker), evil)
+
+    def variant(name, fn, reseal=True):
+        d = tmp_path / name
+        shutil.copytree(ck, d)
+        fn(d)
+        if reseal:
+            man = json.loads((d / "manifest.json").read_text())
+            man["files"] = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in man["files"]}
+            (d / "manifest.json").write_text(json.dumps(man))
+        return d
+
+    cases = [
+        (variant("state", lambda d: (d / "state.json").write_text((d / "state.json").read_text().replace('"step": 1', '"step": 2')),
+                 reseal=False), IntegrityError, r"state.json: sha256 differs from manifest.json"),
+        (variant("extra", lambda d: (d / "notes.txt").write_text("x"), reseal=False), IntegrityError, r"notes.txt: not listed"),
+        (variant("garbage_manifest", lambda d: (d / "manifest.json").write_bytes(b"\x00\xff" * 9), reseal=False), QpassError,
+         r"manifest.json: not a readable checkpoint manifest"),
+        (variant("pickle_weights", lambda d: shutil.copy(evil, d / "masters.safetensors")), QpassError,
+         r"masters.safetensors: not a readable safetensors file"),
+        (variant("pickle_state", lambda d: shutil.copy(evil, d / "state.json")), QpassError, r"state.json: not a readable checkpoint state"),
+        (variant("extra_key", lambda d: (d / "state.json").write_text(
+            json.dumps(json.loads((d / "state.json").read_text()) | {"hook": "os.system"}))), QpassError,
+         r"state.json: does not match the GRPO checkpoint schema \(hook: Extra inputs are not permitted\)"),
+        (variant("bad_tag", lambda d: (d / "state.json").write_text((d / "state.json").read_text().replace(
+            '"$tensor": "masters:00000"', '"$tensor": "masters:99999"'))), QpassError, r"masters\[0\]: refers to tensor '99999'"),
+    ]
+    second = tiny_trainer(tiny_pipeline, "w4a16_qat", cfg)
+    before = [p.detach().clone() for p in second.opt.master]
+    for d, err, match in cases:
+        with pytest.raises(err, match=match) as exc:
+            second.load_checkpoint(d)
+        assert isinstance(exc.value, IntegrityError) == (err is IntegrityError), d.name  # exit 1 vs exit 2
+    assert not marker.exists() and second.step_idx == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, second.opt.master))
+    assert second.load_checkpoint(ck) == 1  # the original still loads
+
+
+def test_checkpoint_json_codec_round_trips_exactly():
+    """NaN / inf floats, tuples, int and '$' keys, numpy scalars and tensors survive state.json exactly."""
+    import numpy as np
+
+    from qpass.apps.grpo.checkpoint import _Decoder, _Encoder
+
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    tree = {"rows": [{"g": float("nan"), "h": float("-inf"), "n": 3, "ok": True, "s": "x", "none": None}],
+            "betas": (0.9, 0.999), "state": {0: {"exp_avg": t, "step": torch.tensor(2.0)}}, "$odd": 1, "np": np.float64(0.1)}
+    enc = _Encoder()
+    js = enc(tree, "optimizer", "")
+    import json
+
+    back = _Decoder(enc.files, Path("ck"))(json.loads(json.dumps(js, allow_nan=False)))
+    assert repr(back["rows"]) == repr(tree["rows"]) and back["betas"] == (0.9, 0.999) and back["np"] == 0.1
+    assert back["$odd"] == 1 and torch.equal(back["state"][0]["exp_avg"], t) and list(back["state"]) == [0]
+
+
+def test_a_legacy_pickle_checkpoint_converts_with_weights_only(tiny_pipeline, tmp_path):
+    """An older qpass's <recipe>.pt (torch.save of plain data) converts to the same state."""
+    from qpass.apps.grpo.checkpoint import LEGACY_FORMAT, _state_of, convert_legacy_checkpoint, main, read_checkpoint
+
+    cfg = tiny_cfg(steps=2, eval_every=0, diag_every=0, bitexact_every=0, initial_check=False)
+    first = tiny_trainer(tiny_pipeline, "w4a16_qat", cfg)
+    first.run(1)
+    state = _state_of(first) | {"format": LEGACY_FORMAT}
+    state = {k: ([t.detach().clone() for t in v] if k in ("params", "masters") else v) for k, v in state.items()}
+    torch.save(state, tmp_path / "w4a16_qat.pt")
+    assert main(["convert", str(tmp_path / "w4a16_qat.pt")]) == 0
+    new = read_checkpoint(tmp_path / "w4a16_qat.ckpt")
+    assert new["step"] == 1 and new["config"] == cfg.to_dict()
+    assert repr(new["history"]) == repr(first.history) and "nan" in repr(first.history)  # NaN rows kept as NaN, floats exact
+    assert all(torch.equal(a, b) for a, b in zip(new["masters"], first.opt.master))
+    second = tiny_trainer(tiny_pipeline, "w4a16_qat", cfg)
+    assert second.load_checkpoint(tmp_path / "w4a16_qat.ckpt") == 1
+    assert main(["verify", str(tmp_path / "w4a16_qat.ckpt")]) == 0
 
 
 # --------------------------------------------------------------------------- collapse
@@ -303,7 +484,7 @@ def test_cli_chained_segments_resume_and_quads_plot(tiny_cli, tmp_path):
     assert main([*base, "--segment-steps", "1"]) == 0
     s1 = json.loads((out / "summary.json").read_text())
     assert (s1["steps_done"], s1["stop_reason"], s1["resumed_from_step"]) == (1, "segment", 0)
-    assert (ck / "quads_nvfp4.pt").is_file()
+    assert (ck / "quads_nvfp4.ckpt" / "manifest.json").is_file()
     assert main([*base, "--resume", "--overwrite"]) == 0
     s2 = json.loads((out / "summary.json").read_text())
     assert (s2["steps_done"], s2["stop_reason"], s2["resumed_from_step"], s2["steps_this_command"]) == (2, "completed", 1, 1)

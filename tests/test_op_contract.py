@@ -140,3 +140,71 @@ def test_records_answer_by_method():
     assert w4a4.lowered_as(NVFP4Spec) and not w4a4.lowered_as(FP8Spec) and not w4a4.lowered_as(MXFP4Spec)
     assert w4a4.w4a4 and not w4a4.activation_only and w4a4.nvfp4_act_mode() == "nvfp4"
     assert act_only.activation_only and not act_only.lowered_as(NVFP4Spec) and act_only.nvfp4_act_mode() == "nvfp4_per_token"
+
+
+def test_static_activation_scale_is_part_of_the_typed_call():
+    """The calibrate branch's ``act='nvfp4_static'`` + ``act_amax`` on the op contract: one flat argument,
+    one call field, the same numbers as the keyword convenience, and the mode only in the op's table."""
+    from qpass.formats.spec import NVFP4_ACT_STATIC, NVFP4_OP_ACT_MODES
+    from qpass.quant.linear import w4a4_linear_reference
+
+    assert NVFP4_OP_ACT_MODES == {**NVFP4_ACT_MODES, "nvfp4_static": NVFP4_ACT_STATIC}
+    assert "nvfp4_static" not in NVFP4_ACT_MODES  # recipes and checkpoint configs never name it
+    assert nvfp4_act_mode(NVFP4_ACT_STATIC) == "nvfp4_static" and nvfp4_act_spec_of("nvfp4_static") is NVFP4_ACT_STATIC
+    assert NVFP4_LINEAR.arg_names[-1] == "act_amax"
+    q, x = _weight(), _x()
+    amax = torch.tensor(2.5)
+    for rac in ((0.0, "masked", "batch"), (0.25, "masked", "batch"), (0.25, "gathered", "token")):
+        flat = dict(x=x, w_codes=q.codes, w_scales=q.scales, w_s_dec=q.s_dec, bias=None, site="s", act="nvfp4_static",
+                    rac_ratio=rac[0], rac_mode=rac[1], rac_selection=rac[2], rac_channels=None, act_amax=amax)
+        call = NVFP4_LINEAR.make_call(**flat)
+        assert call.act is NVFP4_ACT_STATIC and call.static_act and call.act_amax is amax
+        args = call.to_args()
+        assert args["act"] == "nvfp4_static" and args["act_amax"] is amax and set(args) == set(NVFP4_LINEAR.arg_names)
+        assert NVFP4LinearCall.decode(args) == (NVFP4_ACT_STATIC, call.rac)
+        y = torch.ops.qpass.nvfp4_linear(**args)
+        want = w4a4_linear_reference(x, q, act_spec=NVFP4_ACT_STATIC, rac=call.rac, act_amax=amax, site="s")
+        assert torch.equal(y, want)
+        # a static scale really is used: the dynamic op of the same input gives other numbers
+        assert not torch.equal(y, torch.ops.qpass.nvfp4_linear(**{**args, "act": "nvfp4", "act_amax": None}))
+    with pytest.raises(QuantizationError, match="site s: static activation scale .* but no calibrated amax"):
+        NVFP4_LINEAR.make_call(**{**flat, "act_amax": None})
+    with pytest.raises(QuantizationError, match="site s: a calibrated act_amax was given for activation mode 'nvfp4'"):
+        NVFP4_LINEAR.make_call(**{**flat, "act": "nvfp4"})
+    from qpass.formats.spec import NVFP4_WEIGHT as NVFP4_LINEAR_WEIGHT
+
+    lowering = NVFP4LinearCall.lowering_args(NVFP4_LINEAR_WEIGHT, NVFP4_ACT_STATIC, "s")
+    assert lowering["act"] == "nvfp4_static" and lowering["act_amax"] is None  # the pass adds the constant
+
+
+def test_kernels_without_a_static_scale_refuse_it_by_name():
+    """A kernel not marked ``serves_static_act`` never computes a static call (it would quantize with the
+    input's own amax, silently): the op refuses before it runs, naming site and backend; Triton refuses too."""
+    from qpass.tables import KernelMissingError
+
+    ran = []
+
+    @ops.register_kernel(NVFP4_LINEAR, "dynamic_only")
+    def _dyn(call):  # noqa: ANN001
+        ran.append(call)
+        return torch.zeros(*call.x.shape[:-1], call.out_features, dtype=call.out_dtype)
+
+    q = _weight()
+    args = (_x(), q.codes, q.scales, q.s_dec, None, "blk.3", "nvfp4_static", 0.0, "masked", "batch", None, torch.tensor(1.0))
+    try:
+        assert ops.serves_static_act(ops.linear.nvfp4_linear_ref) and not ops.serves_static_act(_dyn)
+        with ops.use_kernels("dynamic_only"):
+            torch.ops.qpass.nvfp4_linear(*args[:6], "nvfp4", *args[7:11])  # dynamic calls run
+            with pytest.raises(KernelMissingError, match="site blk.3: the 'dynamic_only' kernel of qpass::nvfp4_linear has no "
+                                                         "static .calibrated. activation scale"):
+                torch.ops.qpass.nvfp4_linear(*args)
+        assert len(ran) == 1
+        with pytest.raises(KernelMissingError, match="site blk.4: the 'dynamic_only' kernel"):
+            ops.static_act_kernel_check("dynamic_only", "blk.4")
+    finally:
+        TABLES["kernels"].pop(("qpass::nvfp4_linear", NVFP4_LINEAR.spec_type, "dynamic_only"))
+        KERNEL_CLAIMS.pop("dynamic_only", None)
+    from qpass.backends.triton.linear import nvfp4_linear_triton
+
+    with pytest.raises(KernelMissingError, match="site blk.5: the 'triton' kernel"):
+        nvfp4_linear_triton(NVFP4_LINEAR.make_call(*args[:5], "blk.5", *args[6:]))

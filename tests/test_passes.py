@@ -154,21 +154,25 @@ def test_fp8_lower_nodes_compute_reference(tiny_pipeline):
 def test_static_rac_calibration(tiny_pipeline):
     text = ("name: s\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a4_lower\n"
             "  - pass: residual_compensation\n    ratio: 0.25\n    selection: static\n    mode: gathered\n")
-    calls = []
+    from qpass.calibration.source import ActivationSource
+    from qpass.quant.rac import static_channels
 
-    def calibrate(qg, sites):
+    calls = []
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    x[:, 9] *= 30
+
+    def collect(sites):
         calls.append(sites)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
-        x[:, 9] *= 30
         return {s: x for s in sites}
 
-    _, rollout = tiny_pipeline.build(parse_recipe(text), calibration=calibrate)
+    _, rollout = tiny_pipeline.build(parse_recipe(text), calibration=ActivationSource(collect))
     nodes = [n for n in rollout.gm.graph.nodes if n.target == torch.ops.qpass.nvfp4_linear.default and n.args[7] > 0]
     assert len(nodes) == 4 and calls and len(calls[0]) == 4
     ch = rollout.gm.get_buffer(nodes[0].args[10].target)
     assert ch.dtype == torch.int64 and ch.numel() == 16 and 9 in ch.tolist() and torch.equal(ch, ch.sort().values)
-    with pytest.raises(PassError, match="calibration"):
+    assert torch.equal(ch, static_channels(x, 0.25))  # the one channel function, on the same data
+    with pytest.raises(PassError, match="qpass calibrate"):
         tiny_pipeline.build(parse_recipe(text))
 
 

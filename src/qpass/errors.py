@@ -46,6 +46,13 @@ class ParityError(QpassError, AssertionError):
     """A learner/rollout parity check failed. The message names the first differing site."""
 
 
+class IntegrityError(ParityError):
+    """A command's input (another command's output: an apply directory, a GRPO checkpoint) differs
+    from what its writer recorded (sha256, the report's own digest) or is inconsistent with itself
+    (recipe copy vs report vs quantization config vs the rebuilt graphs). The message names the file
+    and what differs. Exit status 1, like a failed parity check; nothing is written from the input."""
+
+
 class MissingDependencyError(QpassError, ImportError):
     """An optional dependency (a backend's extra) is not installed. The message names the package
     and the install command; the ``qpass`` CLI reports it with exit status 2, like a usage error."""

@@ -99,7 +99,8 @@ class Pipeline:
                 :meth:`qpass.pm.PassManager.run`.
             PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
             KernelMissingError: a lowered site's op has no kernel on ``kernels`` (names the site,
-                op, spec and backend) — never a silent fallback at run time.
+                op, spec and backend), or a static activation scale the backend's kernel lacks —
+                never a silent fallback at run time.
         """
         kw = {"debug": debug, "reproducer_dir": reproducer_dir, "calibration": calibration, "kernels": kernels}
         learner = self.build_side(recipe, "learner", **kw)
@@ -145,7 +146,13 @@ class Pipeline:
                 p.requires_grad_(True)
         PassManager(recipe.learner if side == "learner" else recipe.rollout, side=side).run(qg, ctx)
         if side == "rollout":
-            check_kernels(((r.op, r.spec, r.site) for r in qg.quant.values() if r.lowered), kernels or current_backend())
+            backend = kernels or current_backend()
+            check_kernels(((r.op, r.spec, r.site) for r in qg.quant.values() if r.lowered), backend)
+            from qpass.ops import static_act_kernel_check
+
+            for r in qg.quant.values():
+                if r.lowered and getattr(r.act_spec, "global_source", "dynamic") == "static":
+                    static_act_kernel_check(backend, r.site)
         return qg
 
     @property

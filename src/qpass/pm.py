@@ -24,7 +24,7 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -109,14 +109,16 @@ class PassContext:
         debug: verify the graph after every pass.
         reproducer_dir: where failure reproducers go (None: ``$QPASS_REPRODUCER_DIR``, else
             ``<tempdir>/qpass_reproducers``).
-        calibration: callable ``(qgraph, site_ids) -> {site: activation [M, K]}`` used by passes
-            that calibrate (static RAC); None if the caller provides no calibration data.
+        calibration: a :class:`qpass.calibration.source.CalibrationSource` the calibrating passes ask
+            (``w4a4_lower`` with ``act_scale: static``, ``residual_compensation`` with ``selection:
+            static``): a verified calibration file (``qpass calibrate``) or calibration activations;
+            None if the caller provides none (those passes then refuse, saying how to get one).
         recipe_path: for messages.
     """
 
     debug: bool = False
     reproducer_dir: Path | None = None
-    calibration: Callable[[QGraph, list[str]], dict[str, Any]] | None = None
+    calibration: Any = None
     recipe_path: str | None = None
 
 

@@ -58,6 +58,7 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
     they are left out of the result and their ids appended to ``skipped``.
     """
     from qpass.diagnostics.capture import capture_linear_inputs
+    from qpass.diagnostics.robust import norm_ratio
     from qpass.sampling import positions_from_mask
 
     with torch.no_grad():
@@ -75,8 +76,8 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
                 continue
             xl, xr = la[sid].float().cpu()[rows], ra[sid].float().cpu()[rows]
             la[sid], ra[sid] = xl, xr
-            denom = float(xl.norm())
-            rel[sid] = float((xr - xl).norm()) / denom if denom > 0 else float("nan")
+            # float64 (a float32 norm of activations above ~1e19 overflows: inf / inf = NaN); 0 if both are 0
+            rel[sid] = norm_ratio(xr.double() - xl.double(), xl)
     return rel, la, ra
 
 
@@ -113,6 +114,7 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         raise QpassError(f"--batch-size must be >= 1, got {o.batch_size}")
     if o.device == "cuda" and not torch.cuda.is_available():
         raise QpassError("--device cuda requested but torch.cuda.is_available() is False")
+    cal = _load_calibration(o)  # verified before any heavy work (its model match: after the load)
     kernels_eff = effective_backend(o.kernels, o.device)
     if kernels_eff != o.kernels:
         con.print(f"[yellow]warning: --kernels {o.kernels} on {o.device} runs the {kernels_eff} ops "
@@ -123,6 +125,8 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         with con.status(f"loading {o.model} and capturing graphs (torch.export)..."):
             t0 = time.perf_counter()
             lm = pipeline.loaded if pipeline is not None else _load(o)
+            if cal is not None:
+                cal.check_model(lm.model)  # before the capture: another model's calibration is bad input
             prompts = encode_chat(lm.tokenizer, probe_prompts(gopt.prompts))
             pipe, bsz, max_len = _capture(o, lm, pipeline, len(prompts) * gopt.samples_per_prompt,
                                           max(len(p) for p in prompts) + gopt.max_new_tokens + 1, t0)
@@ -131,7 +135,8 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
                   f"(scoring {timings['capture_scoring_s']:.1f}s, step {timings['capture_step_s']:.1f}s)")
         with con.status("applying passes..."):
             t0 = time.perf_counter()
-            learner, rollout = pipe.build(recipe, debug=o.debug, reproducer_dir=out.parent / f"{out.name}.reproducers")
+            learner, rollout = pipe.build(recipe, debug=o.debug, reproducer_dir=out.parent / f"{out.name}.reproducers",
+                                          calibration=cal)
             timings["passes_s"] = time.perf_counter() - t0
         print_passes(con, learner.history + rollout.history)
 
@@ -174,12 +179,34 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
             if o.save_learner:
                 files["learner"] = {"state": "learner/model.safetensors",
                                     "tensors": save_learner(learner, tmp / "learner" / "model.safetensors")}
+            if cal is not None:  # the calibration the rollout was built with, for `qpass check` / `qpass export DIR`
+                from qpass.calibration.run import graph_requests
+
+                import shutil
+
+                from qpass.calibration.record import JSON_NAME, TENSORS_NAME
+
+                (tmp / "calibration").mkdir()
+                for name in (JSON_NAME, TENSORS_NAME):  # byte for byte: check re-verifies the same sha256
+                    shutil.copyfile(cal.path / name, tmp / "calibration" / name)
+                req = graph_requests(rollout)
+                files["calibration"] = {"dir": "calibration", **cal.summary(), "path": str(o.calibration),
+                                        "static_act_sites_used": len(req.amax), "static_rac_sites_used": len(req.rac)}
             timings["write_s"] = time.perf_counter() - t0
         report = build_report(recipe, o, lm, pipe, learner, rollout, results, kernels_eff, bsz, max_len, gopt, diag, plots,
                               files, timings | {"total_s": time.perf_counter() - t_all})
         write_report(tmp, report)
     print_summary(con, report, out)
     return (0 if report["ok"] else 1), report
+
+
+def _load_calibration(o: ApplyOptions) -> Any:
+    """``--calibration``: the verified calibration (None without the flag). Raises CalibrationError (exit 2)."""
+    if o.calibration is None:
+        return None
+    from qpass.apps.calibrate import load_for_model
+
+    return load_for_model(o.calibration, None)
 
 
 def _vllm_factory(lm: Any, o: ApplyOptions, rollout: QGraph | None, prompts: list[list[int]], bsz: int, max_len: int,
@@ -217,10 +244,10 @@ def _capture(o: ApplyOptions, lm: Any, pipeline: Any, rows: int, max_len: int, t
 
 def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap: Any, floor: Any, tmp: Path, diag: dict[str, Any]) -> dict[str, str]:
     """Per-site activation mismatch, the residual map of one RAC (or W4A4) site, the gap histogram."""
+    from qpass.calibration.run import graph_constants
     from qpass.diagnostics.layerwise import residual_channel_map
     from qpass.formats.spec import NVFP4_ACT
-    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_quantize
-    from qpass.quant.rac import channel_scores, topk_channels
+    from qpass.quant.rac import activation_residual, static_channels
     from qpass.apps.report import plot_activation_mismatch, plot_gap_histogram, plot_residual_heatmap
 
     plots: dict[str, str] = {}
@@ -236,12 +263,17 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
     site = _pick_rac_site(rollout, ra)
     if site is not None:
         x = ra[site].to(torch.bfloat16)
-        x_hat = nvfp4_act_operand(nvfp4_quantize(x, spec=NVFP4_ACT)).float()
-        resid = x.float() - x_hat
+        rec = rollout.quant[site]
+        spec = rec.act_spec if rec.act_spec is not None else NVFP4_ACT
+        amaxes, static_ch = graph_constants(rollout)
+        act_amax = amaxes.get(site) if spec.global_source == "static" else None
+        resid = activation_residual(x, spec, act_amax=act_amax, site=site)[2]
+        # the channels RAC uses: the calibrated ones (selection: static), else the pick on this batch
+        # (qpass.quant.rac.static_channels of these tokens: what selection batch takes on one forward)
         ch = None
-        rac = rollout.quant[site].rac
-        if rac:
-            ch = topk_channels(channel_scores(resid, x.abs().max().float()), rac.num_channels(x.shape[-1]))
+        if rec.rac:
+            ch = static_ch.get(site) if rec.rac.selection == "static" else \
+                static_channels(x, rec.rac.ratio, act_spec=spec, act_amax=act_amax, site=site)
         diag["residual_site"] = site
         diag["residual_channel_l2_top8"] = torch.topk(residual_channel_map(x).l2, 8).indices.tolist()
     plot_activation_mismatch(rel, tmp / "activation_mismatch.png", f"{recipe.name}: per-site input mismatch (rollout prefill vs learner)")
@@ -275,6 +307,9 @@ def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     add_threads(ap)
     add_verbose(ap)
     add_rollout_engine(ap)
+    from qpass.apps.calibrate import add_calibration_arg
+
+    add_calibration_arg(ap, "copied into DIR/calibration")
     return ap
 
 
@@ -285,7 +320,7 @@ def main_apply(argv: list[str] | None = None) -> int:
     o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, prompts=a.prompts, samples=a.samples,
                      max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, floor=not a.no_floor,
                      behavioral=not a.no_behavioral, save_learner=not a.no_save_learner, debug=not a.no_debug, force=a.force,
-                     rollout_engine=a.rollout_engine)
+                     rollout_engine=a.rollout_engine, calibration=a.calibration)
     status, _ = run_apply(a.recipe, a.out, o)
     return status
 

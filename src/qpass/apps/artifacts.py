@@ -9,10 +9,12 @@
   naming, an encode divisor) so neither convention has to be derived by a reciprocal. FP8 sites:
   ``<site>.weight`` float8_e4m3fn and ``<site>.weight_scale_inv`` float32 block decode multipliers.
   MXFP4 sites: ``<site>.weight`` uint8 packed E2M1 and ``<site>.weight_scale`` uint8 E8M0 bytes.
-  Static RAC sites add ``<site>.rac_channels`` (int64). ``hf_quant_config.json`` records per site the
+  Static RAC sites add ``<site>.rac_channels`` (int64), static activation-scale sites
+  (``w4a4_lower`` ``act_scale: static``) ``<site>.input_amax`` (float32 0-d, the calibrated group amax
+  the op quantizes with). ``hf_quant_config.json`` records per site the
   weight spec, the activation spec (None = weight-only) and the fused group; ``quant_algo`` is
   ``NVFP4`` (W4A4), ``W4A16_NVFP4``, ``FP8_BLOCK`` or ``MXFP4``.
-  Activation scales are dynamic (computed per forward), so no ``input_scale`` is stored.
+  Dynamic activation scales (computed per forward) store nothing.
 * Learner state (``learner/model.safetensors``): the BF16 master weights under Hugging Face names.
 """
 
@@ -36,7 +38,7 @@ from qpass.graph.qgraph import QGraph
 from qpass.tables import entry
 
 __all__ = ["atomic_dir", "compare_tensors", "file_checksums", "load_learner_into", "load_rollout_into", "probe_safetensors",
-           "read_tensors", "rollout_tensors", "save_learner", "save_rollout", "verify_checksums", "write_json"]
+           "read_tensors", "rollout_quant_config", "rollout_tensors", "save_learner", "save_rollout", "verify_checksums", "write_json"]
 
 
 def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
@@ -47,18 +49,25 @@ def rollout_tensors(rollout: QGraph) -> dict[str, torch.Tensor]:
             continue
         consts = {k: rollout.gm.get_buffer(attr).detach().cpu() for k, attr in rec.constants.items()}
         out.update(entry("export", rec.spec).tensors(sid, consts))
-        ch = _static_channels(rollout, sid)
-        if ch is not None:
-            out[f"{sid}.rac_channels"] = ch.detach().cpu()
+        for arg, name in CALIBRATED_ARGS.items():
+            t = _calibrated_constant(rollout, sid, arg)
+            if t is not None:
+                out[f"{sid}.{name}"] = t.detach().cpu()
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _static_channels(rollout: QGraph, sid: str) -> torch.Tensor | None:
-    """The calibrated RAC channel constant of a site (``selection: static``), or None."""
+# op argument -> checkpoint name of the calibrated constants of a rollout site (qpass calibrate)
+CALIBRATED_ARGS = {"rac_channels": "rac_channels", "act_amax": "input_amax"}
+
+
+def _calibrated_constant(rollout: QGraph, sid: str, arg: str) -> torch.Tensor | None:
+    """A site's calibrated constant: ``rac_channels`` (RAC ``selection: static``) or ``act_amax`` (a
+    static activation scale), or None."""
     for n in rollout.nodes_of_site(sid):
-        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(n)["rac_channels"], torch.fx.Node):
-            return rollout.gm.get_buffer(str(op_args(n)["rac_channels"].target))
+        if n.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(n).get(arg), torch.fx.Node):
+            return rollout.gm.get_buffer(str(op_args(n)[arg].target))
     return None
+
 
 
 def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +80,19 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
         # would make the file's bytes differ between identical runs (the recipe is in recipe.yaml)
         save_file(tensors, str(directory / "weights.safetensors"), metadata={"format": "qpass-rollout"})
         files["weights"] = "weights.safetensors"
+    write_json(directory / "hf_quant_config.json", rollout_quant_config(rollout, meta.get("qpass_version", "")))
+    (directory / "recipe.yaml").write_text(recipe_text)
+    files.update(config="hf_quant_config.json", recipe="recipe.yaml", tensors=len(tensors))
+    return files
+
+
+def rollout_quant_config(rollout: QGraph, qpass_version: str) -> dict[str, Any]:
+    """The ``hf_quant_config.json`` of a rollout graph (module docstring): per quantized site its
+    format, weight / activation spec and fused group, the RAC options, excluded modules, flushed blocks.
+
+    ``qpass check`` and ``qpass export`` rebuild the rollout from the saved recipe and compare this
+    with the saved file (:mod:`qpass.apps.integrity`), so the function is the file's one definition.
+    """
     nvfp4 = [s for s, r in rollout.quant.items() if r.lowered_as(NVFP4Spec)]
     fp8 = [s for s, r in rollout.quant.items() if r.lowered_as(FP8Spec)]
     mx = [s for s, r in rollout.quant.items() if r.lowered_as(MXFP4Spec)]
@@ -78,13 +100,14 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     w4a4 = [s for s in nvfp4 if rollout.quant[s].act_spec is not None]
     algo = ("NVFP4" if w4a4 else "W4A16_NVFP4") if nvfp4 else ("FP8_BLOCK" if fp8 else ("MXFP4" if mx else None))
     cfg = {
-        "producer": {"name": "qpass", "version": meta.get("qpass_version", "")},
+        "producer": {"name": "qpass", "version": qpass_version},
         "quantization": {
             "quant_algo": algo,
             "group_size": 16 if nvfp4 else None,
             "weight_global_scale_convention": "weight_scale_2 = S_dec (decode multiplier); weight_global_scale = S_enc (encode divisor)",
             "scale_layout": "linear",
-            "input_activations": {"dynamic": True, "per_token": any(getattr(rollout.quant[s].act_spec, "global_scope", None) == "per_token" for s in nvfp4)},
+            "input_activations": {"dynamic": not any(getattr(rollout.quant[s].act_spec, "global_source", None) == "static" for s in nvfp4),
+                                  "per_token": any(getattr(rollout.quant[s].act_spec, "global_scope", None) == "per_token" for s in nvfp4)},
             "exclude_modules": sorted(s for s in rollout.sites if s not in quantized),
             "groups": {s: rollout.quant[s].group for s in sorted(quantized)},
             "rac": {s: dataclasses.asdict(rollout.quant[s].rac) for s in nvfp4 if rollout.quant[s].rac is not None},
@@ -101,10 +124,7 @@ def save_rollout(rollout: QGraph, directory: Path, recipe_text: str, meta: dict[
     if act_only:
         cfg["quantization"]["act_only_sites"] = {s: {"act_spec": rollout.quant[s].act_spec.key, "group": rollout.quant[s].group}
                                                  for s in act_only}
-    write_json(directory / "hf_quant_config.json", cfg)
-    (directory / "recipe.yaml").write_text(recipe_text)
-    files.update(config="hf_quant_config.json", recipe="recipe.yaml", tensors=len(tensors))
-    return files
+    return cfg
 
 
 def probe_safetensors(path: Path, what: str) -> int:
@@ -136,7 +156,7 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
     """Overwrite the rollout graph's quantized constants with **every** tensor of a saved ``weights.safetensors``.
 
     Returns the number of tensors loaded (4 per NVFP4 site, 2 per FP8 / MXFP4 site, +1 per static
-    RAC site: the whole file).
+    RAC site and per static activation-scale site: the whole file).
     Raises:
         QpassError: unreadable file; a tensor the graph needs is missing from the file; the file
             has tensors the graph has no constant for (named); shapes/dtypes differ.
@@ -162,12 +182,16 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
             buf.copy_(t)
             used.add(key)
             n += 1
-        ch = _static_channels(rollout, sid)
-        if ch is not None:
-            key = f"{sid}.rac_channels"
-            if key not in data or data[key].shape != ch.shape:
-                raise QpassError(f"{path}: missing or misshapen static RAC channels {key}")
-            ch.copy_(data[key])
+        for arg, name in CALIBRATED_ARGS.items():
+            buf = _calibrated_constant(rollout, sid, arg)
+            if buf is None:
+                continue
+            key = f"{sid}.{name}"
+            if key not in data or data[key].shape != buf.shape or data[key].dtype != buf.dtype:
+                raise QpassError(f"{path}: missing or misshapen calibrated constant {key}")
+            for node in rollout.nodes_of_site(sid):  # every node of the site (each has its own constant)
+                if node.target == torch.ops.qpass.nvfp4_linear.default and isinstance(op_args(node).get(arg), torch.fx.Node):
+                    rollout.gm.get_buffer(str(op_args(node)[arg].target)).copy_(data[key])
             used.add(key)
             n += 1
     if missing:

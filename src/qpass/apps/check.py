@@ -1,45 +1,60 @@
 """``qpass check DIR|RECIPE``: re-verify saved artifacts of ``qpass apply``, or a recipe on fresh graphs.
 
-For a saved ``DIR``, in order (each stage fails before the slower next one):
+For a saved ``DIR``, in order (each stage fails before the slower next one; :mod:`qpass.apps.integrity`):
 
 1. ``report.json`` is read and the safetensors headers it lists (a missing or corrupt file is exit 2);
-2. the sha256 of every file ``report.json`` lists is compared (seconds, no model): a flipped byte in
-   any artifact fails here (exit 1), naming the file (``--no-checksums`` skips this to get the
+2. ``report.json``'s own content digest, the sha256 of every file it lists, and that every file this
+   command reads is listed (seconds, no model): a flipped byte in any artifact, or an edit of the
+   report itself, fails here (exit 1), naming the file (``--no-checksums`` skips this stage to get the
    site-level diagnosis of stage 4);
-3. both graphs are rebuilt from the saved recipe; the learner state is loaded (every parameter must
+3. the files agree with each other (with or without ``--no-checksums``): the recipe copy
+   ``rollout/recipe.yaml`` equals the report's recipe text and name, ``rollout/hf_quant_config.json``
+   parses and names the report's qpass version, the model files recorded at apply time are unchanged;
+4. both graphs are rebuilt from the saved recipe; the learner state is loaded (every parameter must
    be in the file, every tensor of the file must be a parameter); the rollout constants a fresh
    quantization of those master weights gives are compared with **every** tensor of
    ``rollout/weights.safetensors`` (codes, block scales, ``S_dec``, ``S_enc``, static RAC channels;
-   missing or extra tensors named);
-4. the saved rollout bytes are loaded into the rollout graph and the parity checks of
+   missing or extra tensors named); ``rollout/hf_quant_config.json`` is compared with the rebuilt
+   rollout's config (per site kind, specs, group, RAC options: e.g. an edited RAC ratio is named) and
+   the report's site counts with the rebuilt graphs';
+5. the saved rollout bytes are loaded into the rollout graph and the parity checks of
    :mod:`qpass.apps.parity_checks` run on it (the same registry ``qpass apply`` runs), naming the
    site and fused group of any difference.
 
-For a recipe, stages 3-4 run on freshly built graphs (no files).
+A calibration (``DIR/calibration``, written by ``qpass apply --calibration``; or ``--calibration CAL``)
+is verified before the model loads (its own checksums and consistency,
+:func:`qpass.calibration.record.load_calibration`; with a ``DIR`` also that it is the one
+``report.json`` recorded, and its files are among those stage 2 checks), then against the loaded
+model's weights, and the rollout is rebuilt from it; stage 4 then compares the saved static
+constants too, and :func:`calibration_problems` names every site whose saved ``rac_channels`` /
+``input_amax`` are not exactly the calibration's.
+
+For a recipe, stages 4-5 run on freshly built graphs (no files).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from qpass.apps.artifacts import (
     compare_tensors,
     load_learner_into,
     load_rollout_into,
-    probe_safetensors,
     read_tensors,
     rollout_tensors,
-    verify_checksums,
     write_json,
 )
 from qpass.apps.console import console, print_check_problems
+from qpass.apps.integrity import consistency_problems, open_apply_dir, rebuilt_problems, verify_files
 from qpass.apps.options import ApplyOptions, add_common_args
 from qpass.apps.parity_checks import BehaviorProbe, CheckContext, run_checks
+from qpass.apps.report import site_counts
 from qpass.apps.validate import check_model_ref, check_report_fields
 from qpass.errors import QpassError, RecipeError
 from qpass.recipe import load_recipe, parse_recipe
@@ -47,14 +62,55 @@ from qpass.recipe import load_recipe, parse_recipe
 __all__ = ["build_check_parser", "main_check", "run_check"]
 
 
-def _read_report(path: Path) -> dict[str, Any]:
+def _check_report(rep: dict[str, Any], where: str) -> None:
+    """The report fields ``qpass check`` needs before its model load (run by :func:`open_apply_dir`
+    right after reading ``report.json``): missing keys, then their types (:func:`check_report_fields`)."""
     try:
-        rep = json.loads((path / "report.json").read_text())
         rep["recipe"]["text"], rep["parity"]["probe"]["rollout_batch"], rep["parity"]["probe"]["max_len"]  # noqa: B018
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise QpassError(f"{path / 'report.json'} is not a readable qpass report ({type(exc).__name__}: {exc})") from exc
-    check_report_fields(rep, str(path / "report.json"))
-    return rep
+    except (KeyError, TypeError) as exc:
+        raise QpassError(f"{where} is not a readable qpass report ({type(exc).__name__}: {exc})") from exc
+    check_report_fields(rep, where)
+
+
+def _check_calibration(path: Path | None, saved: bool, rep: dict[str, Any], o: ApplyOptions) -> Any:
+    """The calibration a check uses (None: none): ``--calibration`` or the apply output's copy, verified.
+
+    Raises:
+        CalibrationError: unreadable / tampered files, or a ``DIR/calibration`` that is not the one
+            ``report.json`` recorded (exit 2).
+    """
+    from qpass.apps.calibrate import load_for_model
+    from qpass.calibration.source import CalibrationError
+
+    rec = (rep.get("artifacts") or {}).get("calibration") if saved else None
+    if o.calibration is not None:
+        cal = load_for_model(o.calibration, None)
+        if rec and cal.meta.get("sha256") != rec.get("sha256"):
+            raise CalibrationError(f"--calibration {o.calibration} is not the calibration {path} was applied with "
+                                   f"(sha256 {str(cal.meta.get('sha256'))[:12]}..., report.json records {str(rec.get('sha256'))[:12]}...)")
+        return cal
+    if not rec:
+        return None
+    cal = load_for_model(path / rec.get("dir", "calibration"), None, flag=f"{path}/calibration")
+    if cal.meta.get("sha256") != rec.get("sha256"):
+        raise CalibrationError(f"{path}/calibration: its sha256 differs from the one report.json records (a different calibration)")
+    return cal
+
+
+def calibration_problems(cal: Any, saved: dict[str, Any], what: str) -> list[str]:
+    """Sites whose saved calibrated constants are not exactly ``cal``'s: ``<site>.rac_channels`` (the
+    file's channels) and ``<site>.input_amax`` (the file's group amax, bit for bit)."""
+    problems = []
+    for key, t in sorted(saved.items()):
+        site, _, name = key.rpartition(".")
+        if name == "rac_channels":
+            e = cal.rac.get(site)
+            if e is None or not torch.equal(e.channels, t):
+                problems.append(f"{what}: {key} are not the static RAC channels of {cal.name}")
+        elif name == "input_amax":
+            if site not in cal.amax or not torch.equal(cal.group_amax(site).view(torch.int32), t.float().reshape(()).view(torch.int32)):
+                problems.append(f"{what}: {key} is not the calibrated group amax of {cal.name}")
+    return problems
 
 
 def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipeline: Any = None,
@@ -88,32 +144,38 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     saved = path.is_dir()
     result: dict[str, Any] = {"target": target}
     arts: dict[str, Any] = {}
+    apply_dir = None
     if saved:
-        rep = _read_report(path)
+        # every file this command reads is verified before the (slow) model load (qpass.apps.integrity):
+        # a missing or corrupt file is bad input (exit 2), a changed or inconsistent one a failure (exit 1)
+        apply_dir = open_apply_dir(path, check=_check_report)
+        rep = apply_dir.report
         probe = rep["parity"]["probe"]
-        bsz, max_len = probe["rollout_batch"], probe["max_len"]
-        arts = rep.get("artifacts") or {}
-        sums = arts.get("sha256")
-        # validate the artifacts before the (slow) model load: a missing or corrupt file is bad input
-        if arts.get("rollout", {}).get("weights"):
-            probe_safetensors(path / "rollout" / "weights.safetensors", "rollout weights")
-        if arts.get("learner"):
-            probe_safetensors(path / "learner" / "model.safetensors", "learner state")
-        if checksums and sums:
-            problems = verify_checksums(path, sums)
+        bsz, max_len = probe["rollout_batch"], probe["max_len"]  # positive ints (check_report_fields)
+        arts = apply_dir.artifacts
+        if checksums:
+            problems, notes = verify_files(apply_dir)
+            for n in notes:
+                con.print(f"checksums: {n}")
             result["checksums_ok"] = not problems
             if problems:
                 print_check_problems(con, "checksum", problems)
                 con.print(f"qpass check {target}: [red]FAIL[/] (files differ from what qpass apply wrote; "
                           "--no-checksums rebuilds the graphs to name the sites)")
                 return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
-            con.print(f"checksums: {len(sums)} files match report.json")
-        elif checksums:
-            con.print("checksums: report.json records none (written by an older qpass); comparing tensors only")
-        recipe = parse_recipe(rep["recipe"]["text"], str(path / "rollout" / "recipe.yaml"))
+            if apply_dir.sums:
+                con.print(f"checksums: {len(apply_dir.sums)} files and report.json's own digest match")
         model = o.model if o.model != "default" else (rep.get("model") or {}).get("ref") or "default"
         if pipeline is None:
             check_model_ref(model, "--model" if o.model != "default" else f"{path / 'report.json'} model.ref")
+        problems = consistency_problems(apply_dir, model_ref=None if pipeline is not None else model)
+        result["consistent"] = not problems
+        if problems:
+            print_check_problems(con, "consistency", problems)
+            con.print(f"qpass check {target}: [red]FAIL[/] (the apply's files disagree with each other)")
+            return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
+        recipe = parse_recipe(apply_dir.recipe_text, str(path / "rollout" / "recipe.yaml"))
+        cal = _check_calibration(path, True, rep, o)
     else:
         try:
             recipe = load_recipe(target)
@@ -122,13 +184,18 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
                 raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
             raise
         model, bsz, max_len = o.model, 4, 64
+        cal = _check_calibration(None, False, {}, o)
     result["recipe"] = recipe.name
+    if cal is not None:
+        result["calibration"] = cal.summary()
     failures: list[str] = []
     loaded: dict[str, int] = {}
     load_backends([o.kernels])
     with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
         pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
-        learner, rollout = pipe.build(recipe, debug=True)
+        if cal is not None:
+            cal.check_model(pipe.loaded.model)
+        learner, rollout = pipe.build(recipe, debug=True, calibration=cal)
         if arts.get("learner"):
             loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
         if arts.get("rollout", {}).get("weights"):
@@ -137,9 +204,13 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
             sync_weights(learner, rollout)  # what the saved (or fresh) masters quantize to
             saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
             tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
+            if cal is not None:
+                tensor_problems += calibration_problems(cal, saved_tensors, "rollout/weights.safetensors")
             result["compared"] = {"rollout_tensors": len(saved_tensors)}
             failures += tensor_problems
             loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
+        if apply_dir is not None:  # the quantization config and the report's site counts vs the rebuilt graphs
+            failures += rebuilt_problems(apply_dir, rollout, site_counts(learner, rollout))
     result["loaded"] = loaded
     if saved:
         con.print(f"loaded from {path}: " + (", ".join(f"{v} {k.replace('_', ' ')}" for k, v in loaded.items())
@@ -213,6 +284,9 @@ def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
                     "(to rebuild the graphs and name the sites of a change)")
     ap.add_argument("--json", type=Path, help="write the check result as JSON here")
     add_rollout_engine(ap)
+    from qpass.apps.calibrate import add_calibration_arg
+
+    add_calibration_arg(ap, "DIR: default DIR/calibration; must be the one DIR was applied with")
     add_threads(ap)
     add_verbose(ap)
     return ap
@@ -228,7 +302,8 @@ def main_check(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, rollout_engine=a.rollout_engine)
+    o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, rollout_engine=a.rollout_engine,
+                     calibration=a.calibration)
     status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
     if a.json:
         write_json(a.json, result)

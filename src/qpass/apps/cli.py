@@ -3,6 +3,7 @@
     qpass apply RECIPE --model default --out DIR     recipe -> learner + rollout graphs + parity report
     qpass check DIR|RECIPE                           re-verify parity (saved artifacts or a recipe)
     qpass export DIR|MODEL --format F --out CKPT     standalone HF checkpoint (qpass, plain)
+    qpass calibrate RECIPE --out CAL                 static RAC channels + activation scales from prompts
     qpass recipes                                    list built-in recipes
     qpass bench [--quick]                            kernel benchmarks (ratios vs baselines, same run)
     qpass grpo --recipe R --out DIR                  GRPO with mismatch diagnostics and corrections
@@ -85,6 +86,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("apply", "qpass.apps.apply:main_apply", "qpass.apps.apply:build_apply_parser"),
     Command("check", "qpass.apps.check:main_check", "qpass.apps.check:build_check_parser"),
     Command("export", "qpass.apps.export:main_export", "qpass.apps.export:build_export_parser"),
+    Command("calibrate", "qpass.apps.calibrate:main_calibrate", "qpass.apps.calibrate:build_calibrate_parser"),
     Command("recipes", "qpass.apps.cli:_recipes"),
     Command("bench", "qpass.apps.bench:main", "qpass.apps.bench:build_bench_parser"),  # implementation: qpass.backends.triton.bench
     Command("grpo", "qpass.apps.grpo.cli:grpo_main", "qpass.apps.grpo.cli:build_grpo_parser"),

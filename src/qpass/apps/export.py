@@ -11,8 +11,21 @@ Sources (what the tensors come from):
   (:meth:`qpass.pipeline.Pipeline.build_side`), and the rollout graph's constants are exported.
 * ``--model M`` alone (or ``SRC`` a model): the model unquantized (``--format plain``).
 
-W4A4 sites get a static ``input_scale`` calibrated on ``--calibration-prompts`` built-in probe
-prompts (chat-templated), shared per fused group (:mod:`qpass.checkpoint.calibrate`).
+An apply output is verified before anything is read from it or written (:mod:`qpass.apps.integrity`):
+the files it needs must be there and well-formed (else exit 2); ``report.json``'s own digest and the
+sha256 of every file it lists must match, the recipe copy must equal the report's recipe, the model
+files the report recorded must be unchanged, and (formats other than ``plain``) the rollout rebuilt
+from the recipe on the saved master weights must give exactly ``hf_quant_config.json`` and every
+tensor of ``rollout/weights.safetensors``; any difference is :class:`qpass.errors.IntegrityError`
+(exit 1) naming the file and what differs, and no output directory is created.
+
+W4A4 sites get a static ``input_scale`` (``S_dec`` of the fused group's input amax, SPEC §3): a
+site with a static activation scale (``act_scale: static``) the one its rollout graph used (the
+rollout's ``<site>.input_amax``); other sites the amax of ``--calibration CAL`` (``qpass calibrate``;
+for an apply output made with a calibration, ``DIR/calibration`` by default), else calibrated here on
+``--calibration-prompts`` built-in probe prompts (chat-templated). A calibration is verified first
+(checksums, model weights; :mod:`qpass.calibration.record`). Static RAC channels go into the
+``qpass`` format as ``<site>.rac_channels`` (:mod:`qpass.checkpoint.formats`).
 
 The directory is written atomically (:func:`qpass.atomic.atomic_dir`): an existing ``--out`` is
 refused unless ``--force`` and it is empty or a previous export (holds ``qpass_export.json``, the
@@ -36,7 +49,8 @@ from qpass.atomic import atomic_dir
 from qpass.checkpoint.export import ACT_OF_SPEC, sites_from_rollout, write_checkpoint
 from qpass.checkpoint.formats import CHECKPOINT_FORMATS, GLOBAL_SCALE_RULES, RolloutSite, weight_arithmetic
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE
-from qpass.errors import QpassError
+from qpass.apps.integrity import SEAL, consistency_problems, open_apply_dir, rebuilt_problems, verify_files
+from qpass.errors import IntegrityError, QpassError
 from qpass.jsonio import write_json
 from qpass.quant.rac import RACConfig
 
@@ -155,6 +169,7 @@ def export_checkpoint(
     calibration_prompts: int = DEFAULT_CALIBRATION_PROMPTS,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     global_scale: str | None = None,
+    calibration: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write a checkpoint directory ``out`` of format ``fmt`` (module docstring). Returns the record.
 
@@ -168,9 +183,13 @@ def export_checkpoint(
             arithmetic (``weight_scale_2 = fl(1/fl(2688/amax))`` resp. ModelOpt's ``fl(amax/2688)``);
             the arithmetic is the recipe's (``arithmetic:`` of weight_qdq and the NVFP4 lowering), so
             learner QDQ and rollout bytes agree. None: whatever the source has (recorded either way).
+        calibration: a ``qpass calibrate`` directory (module docstring).
     Raises:
         QpassError: bad output path (an existing non-export directory, a symlink ...), a missing or
             corrupt apply file (named), unknown format, a non-NVFP4 rollout, and the format's checks.
+        IntegrityError: the apply directory differs from what its report recorded or is inconsistent
+            with itself or with the rollout rebuilt from its recipe (module docstring); raised before
+            ``out`` is created.
     """
     from qpass.apps.validate import check_export_recipe, check_model_ref, check_probe_count
     from qpass.atomic import check_output_path
@@ -185,6 +204,7 @@ def export_checkpoint(
     check_output_path(out, force=force, marker=RECORD)  # before any model load
     check_probe_count(calibration_prompts, "--calibration-prompts")
     check_export_recipe(recipe, fmt)
+    cal = _load_calibration(calibration)
     if src is not None and model is not None and not is_apply_dir(Path(src)):
         raise QpassError(f"give the model once: SRC {src!r} or --model {model!r}")
     apply_dir = Path(src) if src is not None and is_apply_dir(Path(src)) else None
@@ -193,28 +213,36 @@ def export_checkpoint(
     sites: dict[str, RolloutSite] = {}
     site_tensors: dict[str, torch.Tensor] = {}
     masters = None
+    verified = None
     if apply_dir is not None:
         if recipe is not None:
             raise QpassError(f"{apply_dir} is an apply output (its recipe is fixed); --recipe applies to --model only")
-        report = _read_json(apply_dir / "report.json", "the apply report")
-        qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
-        qcfg = _read_json(qcfg_path, "the rollout quantization config")
+        # verify before reading anything else (qpass.apps.integrity): malformed -> exit 2, changed -> exit 1
+        verified = open_apply_dir(apply_dir, need_rollout=fmt != "plain")
+        report = verified.report
         m = report.get("model") or {}
         if not isinstance(m, dict):
             raise QpassError(f"{apply_dir / 'report.json'}: 'model' must be an object, got {m!r}")
         model_ref = model_ref or m.get("ref")
         if not model_ref:
             raise QpassError(f"{apply_dir / 'report.json'} names no model (model.ref); pass --model")
+        problems, notes = verify_files(verified)
+        for n in notes:
+            log.warning("%s: %s", apply_dir, n)
+        _refuse(apply_dir, problems)
+        _refuse(apply_dir, consistency_problems(verified, model_ref=model_ref))
         dtype = dtype or m.get("dtype") or "bf16"
         if fmt != "plain":
-            sites = sites_from_quant_config(qcfg, qcfg_path)
+            qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
+            sites = sites_from_quant_config(_read_json(qcfg_path, "the rollout quantization config"), qcfg_path)
             if any(r.weight == "nvfp4" for r in sites.values()):  # activation-only sites have no rollout bytes
                 from qpass.apps.artifacts import read_tensors
 
                 site_tensors = read_tensors(apply_dir / "rollout" / "weights.safetensors")
         masters = apply_dir / "learner" / "model.safetensors"
         record.update(source={"apply_dir": str(apply_dir), "recipe": (report.get("recipe") or {}).get("name")})
-        if not masters.is_file():
+        cal = _apply_calibration(apply_dir, report, cal, calibration)
+        if "learner/model.safetensors" not in verified.reads:
             log.warning("%s has no learner state; the unquantized tensors come from the model %s", apply_dir, model_ref)
             masters = None
     elif model_ref is None:
@@ -228,12 +256,21 @@ def export_checkpoint(
         raise QpassError(f"{where} must name a model (a string), got {model_ref!r}")
     check_model_ref(model_ref, where)
     lm = load_model(model_ref, dtype=tdtype)
+    if cal is not None:  # the weights it was computed on: the model's (an apply's masters are those)
+        cal.check_model(lm.model)
     if masters is not None:
         record["masters"] = {"file": str(masters), "tensors": _load_masters_into(lm.model, masters)}
     if apply_dir is None:
         record["source"] = {"model": model_ref, "recipe": recipe}
         if recipe is not None and fmt != "plain":
-            sites, site_tensors = _build_rollout(lm, recipe)
+            from qpass.recipe import load_recipe
+
+            sites, site_tensors, _ = _build_rollout(lm, load_recipe(recipe), cal)
+    elif verified is not None and fmt != "plain":
+        _refuse(apply_dir, _rebuilt_problems(verified, lm, site_tensors, cal))
+        record["verified"] = {"checksums": verified.sums is not None, "report_digest": SEAL in verified.report,
+                              "rebuilt_rollout": "hf_quant_config.json and every rollout tensor equal the rollout rebuilt "
+                                                 "from the recipe on the saved master weights"}
     record["model"] = {"ref": model_ref, "name": lm.name, "dtype": dtype}
     arithmetic = weight_arithmetic(sites)
     if global_scale is not None and sites and global_scale != arithmetic:
@@ -241,30 +278,113 @@ def export_checkpoint(
             f"--global-scale {global_scale}: the rollout's weight bytes follow the {arithmetic} arithmetic; a checkpoint "
             f"cannot carry other global scales than the codes were quantized with. Use a recipe whose weight_qdq and "
             f"w4a4_lower/w4a16_lower set `arithmetic: {global_scale}` (learner and rollout alike, so parity holds)")
-    ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.needs_input_scale for r in sites.values()) else None
+    given = _given_input_amax(sites, site_tensors, cal) if fmt != "plain" else {}
+    need_ids = fmt != "plain" and any(r.needs_input_scale and s not in given for s, r in sites.items())
+    ids = _calibration_ids(lm.tokenizer, calibration_prompts) if need_ids else None
     with atomic_dir(out, force=force, marker=RECORD) as tmp:
         summary = write_checkpoint(tmp, fmt, model=lm.model, dtype=tdtype, tokenizer=lm.tokenizer, sites=sites, site_tensors=site_tensors,
-                                   calibration_ids=ids, max_shard_size=max_shard_size)
+                                   calibration_ids=ids, input_amax=given or None, max_shard_size=max_shard_size)
         if "calibration" in summary:
             summary["calibration"]["source"] = f"{calibration_prompts} qpass probe prompts (chat template)"
+        if given:
+            summary["input_scale_from"] = {
+                "sites": len(given), "rule": "S_dec = fl(1/fl(2688/group_amax)) (SPEC §3), shared per fused group",
+                "static_act_sites": sum(r.act == "nvfp4_static" for s, r in sites.items() if s in given),
+                "calibration": cal.summary() if cal is not None else None}
         record.update(summary, global_scale_convention=GLOBAL_SCALE_RULES[arithmetic] if sites else None)
         write_json(tmp / RECORD, record)
     return record
 
 
-def _build_rollout(lm: Any, recipe_ref: str) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor]]:
-    """Capture ``lm`` and run the recipe's rollout passes; the NVFP4 sites and their tensors."""
+def _load_calibration(path: str | Path | None) -> Any:
+    if path is None:
+        return None
+    from qpass.apps.calibrate import load_for_model
+
+    return load_for_model(Path(path), None)
+
+
+def _apply_calibration(apply_dir: Path, report: dict[str, Any], cal: Any, given: str | Path | None) -> Any:
+    """The calibration of an apply output: ``--calibration`` (then it must be the one the apply used, if
+    it used one) or the apply's ``DIR/calibration`` copy (verified; its sha256 must be report.json's)."""
+    from qpass.calibration.source import CalibrationError
+
+    rec = (report.get("artifacts") or {}).get("calibration")
+    if not rec:
+        return cal
+    if cal is not None:
+        if cal.meta.get("sha256") != rec.get("sha256"):
+            raise CalibrationError(f"--calibration {given} is not the calibration {apply_dir} was applied with "
+                                   f"(report.json records sha256 {str(rec.get('sha256'))[:12]}...)")
+        return cal
+    from qpass.apps.calibrate import load_for_model
+
+    own = load_for_model(apply_dir / rec.get("dir", "calibration"), None, flag=f"{apply_dir}/calibration")
+    if own.meta.get("sha256") != rec.get("sha256"):
+        raise CalibrationError(f"{apply_dir}/calibration: its sha256 differs from the one report.json records")
+    return own
+
+
+def _given_input_amax(sites: dict[str, RolloutSite], site_tensors: dict[str, torch.Tensor], cal: Any) -> dict[str, torch.Tensor]:
+    """The input amax of the W4A4 sites that need no calibration here: static-scale sites the rollout's
+    ``<site>.input_amax`` (what its graph used; must equal ``cal``'s group amax when given), others ``cal``'s.
+
+    Raises:
+        QpassError: a static site without its ``input_amax`` tensor, a site ``cal`` has no amax for,
+            or a static site whose rollout amax is not ``cal``'s.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for s, r in sorted(sites.items()):
+        if not r.needs_input_scale:
+            continue
+        if r.act == "nvfp4_static":
+            t = site_tensors.get(f"{s}.input_amax")
+            if t is None:
+                raise QpassError(f"static activation-scale site {s}: no {s}.input_amax among the rollout tensors")
+            out[s] = t.detach().float().reshape(()).clone()
+            if cal is not None and s in cal.amax and int(cal.group_amax(s).view(torch.int32)) != int(out[s].view(torch.int32)):
+                raise QpassError(f"site {s}: the rollout's static input amax {float(out[s])!r} is not the group amax "
+                                 f"{float(cal.group_amax(s))!r} of {cal.name}")
+        elif cal is not None:
+            if s not in cal.amax:
+                raise QpassError(f"W4A4 site {s}: {cal.name} has no input amax for it")
+            out[s] = cal.group_amax(s)
+    return out
+
+
+def _build_rollout(lm: Any, recipe: Any, cal: Any = None) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor], Any]:
+    """Capture ``lm`` and run the recipe's rollout passes (with ``cal`` for static recipes); the NVFP4
+    sites, their tensors and the rollout graph."""
     from qpass.apps.artifacts import rollout_tensors
     from qpass.apps.plugins import load_backends
     from qpass.pipeline import Pipeline
-    from qpass.recipe import load_recipe
 
-    r = load_recipe(recipe_ref)
     load_backends(["reference"])
     pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=8)
-    rollout = pipe.build_side(r, "rollout", share_params=True)
+    rollout = pipe.build_side(recipe, "rollout", share_params=True, calibration=cal)
     sites = sites_from_rollout(rollout)
-    return sites, (rollout_tensors(rollout) if sites else {})
+    return sites, (rollout_tensors(rollout) if sites else {}), rollout
+
+
+def _rebuilt_problems(d: Any, lm: Any, site_tensors: dict[str, torch.Tensor], cal: Any = None) -> list[str]:
+    """The apply's rollout rebuilt from its recipe on ``lm`` (the saved master weights loaded; with the
+    apply's calibration ``cal`` for static recipes) against its quantization config and every tensor of
+    its ``rollout/weights.safetensors``."""
+    from qpass.apps.artifacts import compare_tensors, rollout_tensors
+    from qpass.recipe import parse_recipe
+
+    rollout = _build_rollout(lm, parse_recipe(d.recipe_text, str(d.root / "rollout" / "recipe.yaml")), cal)[2]
+    problems = rebuilt_problems(d, rollout)
+    if "rollout/weights.safetensors" in d.reads:
+        problems += compare_tensors(rollout_tensors(rollout), site_tensors, "rollout/weights.safetensors")
+    return problems
+
+
+def _refuse(apply_dir: Path, problems: list[str]) -> None:
+    """Raise :class:`IntegrityError` (exit 1) naming every problem; nothing has been written yet."""
+    if problems:
+        raise IntegrityError(f"{apply_dir} failed verification; nothing was exported:\n  " + "\n  ".join(problems[:20])
+                             + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -288,6 +408,9 @@ def build_export_parser(prog: str = "qpass export") -> argparse.ArgumentParser:
     ap.add_argument("--global-scale", choices=sorted(GLOBAL_SCALE_RULES),
                     help="require the weight_scale_2 convention: te_reference = qpass's S_dec = fl(1/fl(2688/amax)), modelopt = "
                          "ModelOpt's fl(amax/2688) (set by the recipe: `arithmetic: modelopt` on weight_qdq and w4a4_lower)")
+    from qpass.apps.calibrate import add_calibration_arg
+
+    add_calibration_arg(ap, "input_scale of W4A4 sites from it (not --calibration-prompts); an apply output's own by default")
     add_force(ap, RECORD)
     add_threads(ap)
     add_verbose(ap)
@@ -314,7 +437,8 @@ def main_export(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     rec = export_checkpoint(a.out, a.format, src=a.src, model=a.model, recipe=a.recipe, dtype=a.dtype, force=a.force,
-                            calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size, global_scale=a.global_scale)
+                            calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size, global_scale=a.global_scale,
+                            calibration=a.calibration)
     files = rec["files"]
     print(f"qpass export: {a.out} ({a.format}, {rec.get('quantized_sites', 0)} quantized sites, {files['tensors']} tensors, "
           f"{files['total_size'] / 1e6:.1f} MB{', sharded' if files['sharded'] else ''})")

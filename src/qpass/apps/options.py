@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pydantic
 
@@ -34,6 +35,7 @@ class ApplyOptions:
     debug: bool = True
     force: bool = False
     rollout_engine: str = "qpass"
+    calibration: Path | None = None  # a `qpass calibrate` directory (static RAC channels / activation scales)
 
 
 def gap_options(recipe: Recipe, o: ApplyOptions) -> LogprobGapCheck:

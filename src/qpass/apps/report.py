@@ -15,6 +15,7 @@ import torch
 
 from qpass import __version__
 from qpass.apps.artifacts import file_checksums, write_json
+from qpass.apps.integrity import model_files, seal_report
 from qpass.apps.options import ApplyOptions
 from qpass.apps.parity_checks import CheckResult
 from qpass.formats.spec import FP8Spec, NVFP4Spec
@@ -189,7 +190,9 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
     return {
         "qpass_version": __version__,
         "recipe": recipe.to_json() | {"text": recipe.text},
-        "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model},
+        # the model files' sha256: what `qpass check` / `qpass export` rebuild from (qpass.apps.integrity)
+        "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model,
+                  "files": model_files(lm.source)},
         "kernels": o.kernels,
         "kernels_effective": kernels_eff,
         "rollout_engine": o.rollout_engine,
@@ -209,10 +212,11 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
 
 
 def write_report(tmp: Path, report: dict[str, Any]) -> None:
-    """Write ``report.md``, then ``report.json`` with the sha256 of every other file in the directory."""
+    """Write ``report.md``, then ``report.json`` with the sha256 of every other file in the directory and
+    its own content digest (:func:`qpass.apps.integrity.seal_report`, added last)."""
     (tmp / "report.md").write_text(markdown(report))
     report["artifacts"]["sha256"] = file_checksums(tmp)
-    write_json(tmp / "report.json", report)
+    write_json(tmp / "report.json", seal_report(report))
 
 
 def _machine_line(m: dict[str, Any] | None) -> list[str]:

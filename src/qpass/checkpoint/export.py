@@ -19,11 +19,12 @@ import torch
 from qpass.checkpoint.formats import ExportInputs, RolloutSite, build_checkpoint, weight_arithmetic
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE, plain_config, plain_state, write_hf_dir
 from qpass.errors import QpassError
-from qpass.formats.spec import NVFP4_ACT_MODES, NVFP4Spec
+from qpass.formats.spec import NVFP4_OP_ACT_MODES, NVFP4Spec
 
-# activation spec key (None: W4A16) -> NVFP4 activation mode, as report files spell specs
-ACT_OF_SPEC = {(spec.key if spec is not None else None): mode for mode, spec in NVFP4_ACT_MODES.items()}
-INPUT_SCALE_RULE = "fl(group_amax / 2688), decode multiplier, shared per fused group"
+# activation spec key (None: W4A16) -> NVFP4 activation mode of the op (``nvfp4_static``: the
+# calibrated scale a rollout graph used), as report files spell specs
+ACT_OF_SPEC = {(spec.key if spec is not None else None): mode for mode, spec in NVFP4_OP_ACT_MODES.items()}
+INPUT_SCALE_RULE = "S_dec = fl(1/fl(2688/group_amax)) (SPEC §3), decode multiplier, shared per fused group"
 
 
 def sites_from_rollout(rollout: Any) -> dict[str, RolloutSite]:
@@ -94,6 +95,7 @@ def write_checkpoint(
     sites: Mapping[str, RolloutSite] | None = None,
     site_tensors: Mapping[str, torch.Tensor] | None = None,
     calibration_ids: Sequence[Sequence[int]] | None = None,
+    input_amax: Mapping[str, torch.Tensor] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict[str, Any]:
     """Write checkpoint format ``fmt`` of ``model`` into the existing directory ``directory``.
@@ -104,7 +106,9 @@ def write_checkpoint(
         sites, site_tensors: the NVFP4 rollout sites and their ``<site>.weight`` / ``weight_scale`` /
             ``weight_scale_2`` tensors (empty: nothing quantized).
         calibration_ids: token sequences the W4A4 ``input_scale`` is calibrated on (needed when a
-            site quantizes activations).
+            site quantizes activations and ``input_amax`` does not cover it).
+        input_amax: ``{site: float32 0-d group amax}`` already calibrated (``qpass calibrate``, or the
+            static scales the rollout graph used); sites it covers are not calibrated again.
     Returns:
         a summary (format's summary, calibration, files) for the export record.
     Raises:
@@ -113,15 +117,16 @@ def write_checkpoint(
     """
     sites = dict(sites or {})
     record: dict[str, Any] = {}
-    input_amax = None
-    w4a4 = {s: r.group for s, r in sites.items() if r.needs_input_scale}
+    given = dict(input_amax or {})
+    input_amax = given or None
+    w4a4 = {s: r.group for s, r in sites.items() if r.needs_input_scale and s not in given}
     if w4a4 and fmt != "plain":
         from qpass.checkpoint import calibrate
 
         if not calibration_ids:
             raise QpassError(f"{len(w4a4)} W4A4 site(s) need calibration prompts for their input_scale")
         unreached: list[str] = []
-        input_amax = calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4, unreached)
+        input_amax = given | calibrate.group_input_amax(calibrate.input_amax(model, w4a4, calibration_ids), w4a4, unreached)
         record["calibration"] = {"sequences": len(calibration_ids), "tokens": sum(len(i) for i in calibration_ids),
                                  "input_scale": INPUT_SCALE_RULE}
         if unreached:

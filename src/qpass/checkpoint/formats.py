@@ -9,15 +9,19 @@ A format is a function registered by name with :func:`checkpoint_format`; it tur
 * ``qpass`` — per quantized site ``P`` (HF module path): ``P.weight`` uint8 ``[N, K/2]`` (low
   nibble = even k), ``P.weight_scale`` float8_e4m3fn ``[N, K/16]`` (linear layout),
   ``P.weight_scale_2`` float32 ``[]`` = ``S_dec`` (decode multiplier, bit-identical within a fused
-  group), ``P.input_scale`` float32 ``[]`` for W4A4 sites only (static decode scale
-  ``fl(group_amax / 2688)`` calibrated on prompts; qpass's own plugins quantize activations
-  dynamically and ignore it); every other tensor in the model dtype. ``config.json``
+  group), ``P.input_scale`` float32 ``[]`` for W4A4 sites only (static decode scale of the fused group's
+  calibrated input amax, :func:`input_scale_rule`: ``S_dec = fl(1/fl(2688/group_amax))`` (SPEC §3);
+  qpass's own plugins quantize activations dynamically and ignore it); every other tensor in the model dtype. ``config.json``
   ``quantization_config`` = :meth:`qpass.checkpoint.qconfig.QpassQuantOptions.to_config`
   (``quant_method: qpass_nvfp4``, act mode, RAC per site, excluded modules, weight arithmetic).
   Activation-only sites (the W16A4 rollout of the ``act_qdq`` pass: :attr:`RolloutSite.weight` ``none``)
   keep ``P.weight`` as the plain tensor in the model dtype, with no scale tensors and no ``input_scale``
   (``quantization_config.qpass_weight: "none"``, ``quant_algo: "W16A4_NVFP4"``); ``modelopt`` and
-  ``compressed-tensors`` have no such mode and refuse them.
+  ``compressed-tensors`` have no such mode and refuse them. Static-RAC sites (``selection: static``)
+  add ``P.rac_channels`` int64 ``[k]`` (the calibrated channels, sorted; ``quantization_config.rac``
+  says ``selection: static``; the engine plugins do not serve static RAC yet and refuse such a
+  config). A rollout with a static activation scale (``nvfp4_static``) is refused: the
+  ``qpass_nvfp4`` plugins quantize activations dynamically; ``modelopt`` carries its ``input_scale``.
 
 Source: the checkpoint contract (:mod:`qpass.checkpoint`), prior-art/backends.md §1.3 (the
 ``modelopt_fp4`` tensor names shared by vLLM and SGLang).
@@ -36,10 +40,10 @@ from qpass.checkpoint.params import check_site_tensors
 from qpass.checkpoint.qconfig import QpassQuantOptions
 from qpass.checkpoint.tensors import check_fused_global_scales
 from qpass.errors import QpassError
-from qpass.formats.spec import NVFP4_ACT_PER_TOKEN, NVFP4ActMode, nvfp4_act_mode
+from qpass.formats.spec import NVFP4_ACT_PER_TOKEN, NVFP4OpActMode, nvfp4_act_mode
 from qpass.quant.rac import RACConfig
 
-ActMode = NVFP4ActMode
+ActMode = NVFP4OpActMode  # the op's modes: a rollout's static (calibrated) scale is ``nvfp4_static``
 WeightMode = Literal["nvfp4", "none"]
 SITE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 
@@ -51,7 +55,8 @@ class RolloutSite:
     Attributes:
         site: HF module path (``model.layers.0.mlp.gate_proj``).
         group: fused-group id (members share the weight amax and, for W4A4, the input scale).
-        act: ``nvfp4`` (W4A4, dynamic per-tensor), ``nvfp4_per_token`` or ``none`` (W4A16).
+        act: ``nvfp4`` (W4A4, dynamic per-tensor), ``nvfp4_per_token``, ``nvfp4_static`` (W4A4 with the
+            calibrated per-tensor input scale the rollout graph used) or ``none`` (W4A16).
         rac: residual activation compensation of the site, or None.
         arithmetic: the weight quantizer arithmetic its bytes follow (``NVFP4Spec.arithmetic``).
         weight: ``nvfp4`` (the site's weight is NVFP4 bytes) or ``none`` (activation-only: the
@@ -91,7 +96,7 @@ class ExportInputs:
         sites: ``{site: RolloutSite}`` of the NVFP4-quantized linears (empty: nothing quantized).
         site_tensors: ``{<site>.weight|weight_scale|weight_scale_2: tensor}`` — the rollout's bytes.
         input_amax: ``{site: float32 0-d}`` the fused group's calibrated input amax, for the W4A4
-            sites (None: not calibrated).
+            sites (None: not calibrated); for ``nvfp4_static`` sites the amax the rollout graph used.
         weight_arithmetic: the quantizer arithmetic the weight bytes follow (``te_reference`` | ``modelopt``).
     """
 
@@ -179,10 +184,46 @@ def site_tensors_checked(inputs: ExportInputs, suffixes: tuple[str, ...] = SITE_
     return out
 
 
-def w4a4_input_scales(inputs: ExportInputs, rule: Callable[[torch.Tensor], torch.Tensor] = input_scale,
+def static_rac_tensors(inputs: ExportInputs) -> dict[str, torch.Tensor]:
+    """``{<site>.rac_channels: int64 [k]}`` of the static-RAC sites (from the rollout's tensors).
+
+    Raises:
+        QpassError: a static-RAC site whose channels are missing or not ``k`` sorted distinct ids in range.
+    """
+    from qpass.quant.rac import rac_num_channels
+
+    out = {}
+    for s, r in sorted(inputs.sites.items()):
+        if r.rac is None or r.rac.selection != "static":
+            continue
+        ch = inputs.site_tensors.get(f"{s}.rac_channels")
+        k_dim = int(inputs.site_tensors[f"{s}.weight"].shape[-1]) * 2 if f"{s}.weight" in inputs.site_tensors else None
+        if ch is None:
+            raise QpassError(f"static RAC site {s}: no {s}.rac_channels among the rollout tensors")
+        ch = ch.detach().to(torch.int64).reshape(-1).contiguous()
+        k = rac_num_channels(k_dim, r.rac.ratio) if k_dim is not None else ch.numel()
+        if ch.numel() != k or bool((ch[1:] <= ch[:-1]).any()) or (k and (int(ch[0]) < 0 or (k_dim is not None and int(ch[-1]) >= k_dim))):
+            raise QpassError(f"static RAC site {s}: {s}.rac_channels must be {k} sorted distinct channel ids in [0, {k_dim})")
+        out[f"{s}.rac_channels"] = ch.clone()
+    return out
+
+
+def input_scale_rule(site: RolloutSite) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``input_scale`` (decode multiplier) of a W4A4 site's group amax: ``S_dec = fl(1/fl(2688/amax))``
+    (SPEC §3, the global scale a static activation quantizer uses, and ``weight_scale_2``'s convention
+    for ``te_reference`` bytes); ModelOpt's own ``fl(amax/2688)`` for a dynamic-activation site whose
+    weight bytes follow the ``modelopt`` arithmetic (so such an export stays byte-identical to ModelOpt's)."""
+    if site.arithmetic == "modelopt" and site.act != "nvfp4_static":
+        from qpass.checkpoint.calibrate import NVFP4_ACT_MAXBOUND
+
+        return lambda a: a.float() / torch.full_like(a.float(), NVFP4_ACT_MAXBOUND)
+    return input_scale
+
+
+def w4a4_input_scales(inputs: ExportInputs, rule: Callable[[torch.Tensor], torch.Tensor] | None = None,
                       suffix: str = "input_scale") -> dict[str, torch.Tensor]:
     """``{<site>.<suffix>: rule(group amax)}`` float32 0-d for the W4A4 sites (bit-identical per fused
-    group); default ModelOpt's ``input_scale = fl(group_amax / 2688)``.
+    group); default the ``input_scale`` slot, :func:`input_scale_rule` per site.
 
     Raises:
         QpassError: W4A4 sites but no calibrated scales, a site without one, or two scales in one group.
@@ -197,7 +238,7 @@ def w4a4_input_scales(inputs: ExportInputs, rule: Callable[[torch.Tensor], torch
         a = inputs.input_amax.get(s)
         if a is None:
             raise QpassError(f"W4A4 site {s}: no calibrated input amax")
-        t = rule(a.detach().float().reshape(()))
+        t = (rule or input_scale_rule(inputs.sites[s]))(a.detach().float().reshape(()))
         bits = int(t.view(torch.int32))
         g = inputs.sites[s].group
         if by_group.setdefault(g, bits) != bits:
@@ -284,20 +325,25 @@ def qpass_format(inputs: ExportInputs) -> CheckpointContent:
     """The ``qpass`` format (module docstring); with no quantized site it equals ``plain``.
 
     Raises:
-        QpassError: see :func:`site_tensors_checked`, :func:`w4a4_input_scales`, :func:`act_mode`;
-            static RAC (its calibrated channels are not part of the ``qpass_nvfp4`` schema yet).
+        QpassError: see :func:`site_tensors_checked`, :func:`w4a4_input_scales`, :func:`act_mode`,
+            :func:`static_rac_tensors`; a static activation scale (``nvfp4_static``).
     """
     if not inputs.sites:
         return plain_format(inputs)
+    if act_mode(inputs) == "nvfp4_static":
+        site = sorted(s for s, r in inputs.sites.items() if r.act == "nvfp4_static")[0]
+        raise QpassError(f"--format qpass: site {site} quantizes activations with a static (calibrated) input scale, but the "
+                         "qpass_nvfp4 engine plugins quantize activations dynamically; use --format modelopt (it carries input_scale)")
     opts = QpassQuantOptions(act=act_mode(inputs), rac={s: r.rac for s, r in inputs.sites.items() if r.rac is not None},
                              exclude=tuple(excluded_modules(inputs)), weight_arithmetic=inputs.weight_arithmetic,
                              weight=weight_mode(inputs))
     act_only_tensors_checked(inputs)
-    tensors = unquantized_tensors(inputs) | site_tensors_checked(inputs) | w4a4_input_scales(inputs)
+    tensors = unquantized_tensors(inputs) | site_tensors_checked(inputs) | w4a4_input_scales(inputs) | static_rac_tensors(inputs)
     config = dict(inputs.config) | {"quantization_config": opts.to_config()}
     return CheckpointContent(config, dict(sorted(tensors.items())),
                              summary={"quantized_sites": len(inputs.sites), "act": opts.act, "weight": opts.weight,
-                                      "rac_sites": len(opts.rac)})
+                                      "rac_sites": len(opts.rac),
+                                      "static_rac_sites": sum(c.selection == "static" for c in opts.rac.values())})
 
 
 MODELOPT_VERSION = "0.47.0"  # the ModelOpt release whose export_hf_checkpoint layout this format reproduces
@@ -332,11 +378,12 @@ def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
     act = act_mode(inputs)
     if act == nvfp4_act_mode(NVFP4_ACT_PER_TOKEN):
         raise QpassError(f"ModelOpt NVFP4 has no per-token activation scale (act: {act}); use --format qpass")
-    algo = "NVFP4" if act == "nvfp4" else "W4A16_NVFP4"
+    w4a4 = act in ("nvfp4", "nvfp4_static")  # static: the calibrated scales the rollout graph used
+    algo = "NVFP4" if w4a4 else "W4A16_NVFP4"
     exclude = excluded_modules(inputs)
     producer = {"name": "modelopt", "version": MODELOPT_VERSION}
-    tensors = unquantized_tensors(inputs) | site_tensors_checked(inputs) | (w4a4_input_scales(inputs) if act == "nvfp4" else {})
-    group = ({"input_activations": dict(NVFP4_ARGS)} if act == "nvfp4" else {}) | {"weights": dict(NVFP4_ARGS), "targets": ["Linear"]}
+    tensors = unquantized_tensors(inputs) | site_tensors_checked(inputs) | (w4a4_input_scales(inputs) if w4a4 else {})
+    group = ({"input_activations": dict(NVFP4_ARGS)} if w4a4 else {}) | {"weights": dict(NVFP4_ARGS), "targets": ["Linear"]}
     qconfig = {"config_groups": {"group_0": group}, "ignore": exclude, "quant_algo": algo, "producer": producer, "quant_method": "modelopt"}
     rac = sorted(s for s, r in inputs.sites.items() if r.rac is not None)
     hf_quant = {
@@ -344,7 +391,9 @@ def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
         "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude},
         "qpass": {"writer": "qpass export", "weight_arithmetic": inputs.weight_arithmetic,
                   "weight_scale_2": GLOBAL_SCALE_RULES[inputs.weight_arithmetic],
-                  "input_scale": "static, calibrated: fl(group_amax / 2688)" if act == "nvfp4" else None,
+                  "input_scale": (("static, calibrated: fl(group_amax/2688) (ModelOpt's)" if inputs.weight_arithmetic == "modelopt"
+                                   and act == "nvfp4" else "static, calibrated: S_dec = fl(1/fl(2688/group_amax)) (SPEC §3)")
+                                  if w4a4 else None),
                   "not_represented": {"rac_sites": rac, "dynamic_activation_scales": act == "nvfp4"}},
     }
     return CheckpointContent(dict(inputs.config) | {"quantization_config": qconfig}, dict(sorted(tensors.items())),
@@ -401,7 +450,7 @@ def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
         raise QpassError(f"compressed-tensors' NVFP4 preset has no per-token activation global scale (act: {act}); use --format qpass")
     fmt = CompressionFormat.nvfp4_pack_quantized.value
     exclude = excluded_modules(inputs)
-    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=fmt, **(NVFP4 if act == "nvfp4" else NVFP4A16))},
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=fmt, **(NVFP4 if act in ("nvfp4", "nvfp4_static") else NVFP4A16))},
                             ignore=exclude, format=fmt, quantization_status="compressed")
     qconfig = {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {}, "transform_config": {},
                **qc.model_dump(exclude=["quant_method"])}
@@ -424,7 +473,7 @@ def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
             inexact.append(gid)
         for m in members:
             tensors[f"{m}.weight_global_scale"] = gs.reshape(1).clone()
-    if act == "nvfp4":
+    if act in ("nvfp4", "nvfp4_static"):
         tensors |= {k: v.reshape(1) for k, v in w4a4_input_scales(inputs, input_global_scale, "input_global_scale").items()}
     return CheckpointContent(dict(inputs.config) | {"quantization_config": qconfig}, dict(sorted(tensors.items())),
                              summary={"quantized_sites": len(inputs.sites), "act": act, "weight_global_scale": {

@@ -6,8 +6,10 @@ them, and then call the functions here, so the numerics of a served NVFP4 linear
 are testable without any engine installed (``scripts/gpu_vllm_linear.sh`` runs them on CUDA):
 
 * :func:`begin_loading` — a (re)load starts: poison the scales with the NaN "unloaded" sentinel;
-* :func:`finish_loading` — after loading: refuse (naming the layer) a scale never loaded, NaN
-  block scales, an invalid global scale, fused shards with different globals; bind the decode
+* :func:`finish_loading` — after loading: refuse (naming the layer) what
+  :mod:`qpass.checkpoint.validate` refuses (a scale never loaded, NaN or negative block scale bytes,
+  block scales that do not fit their codes, an invalid global scale, fused shards with different
+  globals); bind the decode
   global ``layer.qpass_s_dec`` (and, with ``decode_cache``, the decoded weight ``layer.qpass_w_hat``);
 * :func:`served_linear` — the forward: ``torch.ops.qpass.nvfp4_linear`` (qpass's op: the reference
   kernel, or the Triton kernel on CUDA when that backend is selected), or on the reference path the
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from qpass.checkpoint.params import mark_unloaded, nan_scale_bytes
+from qpass.checkpoint.params import mark_unloaded
+from qpass.checkpoint.validate import check_nvfp4_tensors, layer_holds_whole_group
 from qpass.checkpoint.qconfig import METHOD_NAME
 from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4Spec
@@ -65,9 +68,12 @@ def activation_for_row_parallel(x: torch.Tensor, act: NVFP4Spec | str, process_g
 def begin_loading(layer: torch.nn.Module) -> None:
     """Before a (re)load: poison ``weight_scale`` / ``weight_scale_2`` with the NaN sentinel, so an
     update that carries codes without their scales is refused by :func:`finish_loading` instead of
-    serving new codes with stale (or never-written) scales."""
+    serving new codes with stale (or never-written) scales; clears the load record of
+    :func:`qpass.checkpoint.validate.checked_loader` (the session's loads are recorded afresh)."""
     mark_unloaded(layer.weight_scale.data)
     mark_unloaded(layer.weight_scale_2.data)
+    if isinstance(getattr(layer, "qpass_loaded", None), set):
+        layer.qpass_loaded.clear()
 
 
 def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor, persistent: bool) -> None:
@@ -94,31 +100,16 @@ def finish_loading(layer: torch.nn.Module, prefix: str, *, persistent: bool = Fa
         decode_cache: also bind ``layer.qpass_w_hat`` float32 ``[N, K]`` = ``nvfp4_dequantize(w, bf16)``
             (the reference path's operand, decoded once per load instead of per forward).
     Raises:
-        QuantizationError: names the layer: a scale never loaded (the NaN sentinel survived: the
-            checkpoint or update did not carry it), NaN block-scale bytes, a non-finite or
-            non-positive global scale, or different global scales per fused shard.
+        QuantizationError: names the layer (:func:`qpass.checkpoint.validate.check_nvfp4_tensors`, the
+            checks the file readers run too): a scale never loaded (the NaN sentinel survived: the
+            checkpoint or update did not carry it), NaN block-scale bytes or bytes with the sign bit,
+            codes that do not fit their block scales, block scales that do not fit the global scale
+            (a layer holding its whole fused group: TP = 1), a global scale that is not
+            finite, not > 0 or above FLT_MAX/2688, or different global scales per fused shard.
     """
+    check_nvfp4_tensors(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data, f"{METHOD_NAME}: layer {prefix}",
+                        whole_group=layer_holds_whole_group(layer))
     gs = layer.weight_scale_2.data.detach().float().reshape(-1)
-    if bool(torch.isnan(gs).any()):
-        missing = [i for i, v in enumerate(gs.tolist()) if v != v]
-        raise QuantizationError(
-            f"{METHOD_NAME}: layer {prefix}: weight_scale_2 of shard(s) {missing} was never loaded, or is NaN "
-            "(the checkpoint or weight update did not carry it); refusing to serve"
-        )
-    bits = gs.view(torch.int32)
-    if not bool((bits == bits[0]).all()):
-        raise QuantizationError(
-            f"{METHOD_NAME}: layer {prefix} has different weight_scale_2 per fused shard {gs.tolist()}; "
-            "qpass checkpoints share one global scale per fused group (SPEC §3 rule 1)"
-        )
-    if not bool(torch.isfinite(gs).all()) or float(gs[0]) <= 0:
-        raise QuantizationError(f"{METHOD_NAME}: layer {prefix} has an invalid weight_scale_2 {gs.tolist()}")
-    bad = nan_scale_bytes(layer.weight_scale.data)
-    if bad:
-        raise QuantizationError(
-            f"{METHOD_NAME}: layer {prefix}: {bad}/{layer.weight_scale.numel()} weight_scale bytes are NaN "
-            "(never loaded: the checkpoint or weight update carried codes without their block scales, or corrupt); refusing to serve"
-        )
     s_dec = gs[0].reshape(()).clone()
     _bind(layer, "qpass_s_dec", s_dec, persistent)
     if decode_cache:

@@ -153,30 +153,15 @@ def nan_scale_bytes(scales: torch.Tensor) -> int:
 
 def check_site_tensors(site: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                        *, source: str = "") -> None:
-    """One site's checkpoint tensors are what a ``qpass_nvfp4`` layer can serve (module table).
-
-    ``weight`` uint8 ``[N, K/2]``; ``weight_scale`` float8_e4m3fn ``[N, K/16]`` without NaN bytes;
-    ``weight_scale_2`` float32 with one element (or one per fused shard), all bit-identical, finite
-    and > 0.
+    """One site's checkpoint tensors are what a ``qpass_nvfp4`` layer can serve (module table): the
+    checks of :func:`qpass.checkpoint.validate.check_nvfp4_tensors` (the ones the engine plugins run
+    after loading): ``weight`` uint8 ``[N, K/2]``; ``weight_scale`` float8_e4m3fn ``[N, K/16]``, bytes
+    a quantizer produces (no NaN, no sign bit) that fit their codes; ``weight_scale_2`` float32 with
+    one element (or one per fused shard), all bit-identical, finite, in ``(0, FLT_MAX/2688]``.
 
     Raises:
         QuantizationError: names ``source`` (file or origin), the site and what is wrong.
     """
-    where = f"{source}: " if source else ""
-    if weight.dtype != torch.uint8 or weight.dim() != 2:
-        raise QuantizationError(f"{where}{site}.weight: expected uint8 [N, K/2] codes, got {weight.dtype} {tuple(weight.shape)}")
-    n, half_k = weight.shape
-    want = (n, half_k * 2 // NVFP4_BLOCK)
-    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != want:
-        raise QuantizationError(f"{where}{site}.weight_scale: expected float8_e4m3fn {want} for weight {tuple(weight.shape)}, "
-                                f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
-    bad = nan_scale_bytes(weight_scale)
-    if bad:
-        raise QuantizationError(f"{where}{site}.weight_scale: {bad} NaN E4M3 block scale(s) (never loaded, or corrupt)")
-    if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() < 1:
-        raise QuantizationError(f"{where}{site}.weight_scale_2: expected a float32 scalar, got {weight_scale_2.dtype} {tuple(weight_scale_2.shape)}")
-    gs = weight_scale_2.detach().reshape(-1)
-    if not bool(torch.isfinite(gs).all()) or not bool((gs > 0).all()):
-        raise QuantizationError(f"{where}{site}.weight_scale_2: invalid global scale {gs.tolist()} (must be finite and > 0)")
-    if not bool((gs.view(torch.int32) == gs[:1].view(torch.int32)).all()):
-        raise QuantizationError(f"{where}{site}.weight_scale_2: differs per fused shard {gs.tolist()} (qpass shares one per group)")
+    from qpass.checkpoint.validate import check_nvfp4_tensors
+
+    check_nvfp4_tensors(weight, weight_scale, weight_scale_2, f"{source}: {site}" if source else site)

@@ -63,8 +63,9 @@ class QpassQuantOptions:
         act: ``nvfp4`` (W4A4, dynamic per-tensor activation global scale), ``nvfp4_per_token``
             or ``none`` (W4A16).
         rac: per checkpoint site (HF name, e.g. ``model.layers.0.mlp.gate_proj``) its residual
-            compensation. ``selection: static`` is rejected (the calibrated channels are not part
-            of the checkpoint).
+            compensation. ``selection: static``: the checkpoint carries the calibrated channels as
+            ``<site>.rac_channels`` (``qpass export --format qpass``); :meth:`from_config` (what the
+            engine plugins call) refuses it: they do not serve static RAC yet.
         exclude: modules left unquantized (glob on the module prefix, or an exact suffix).
         weight_arithmetic: the quantizer arithmetic the weight bytes follow (module docstring);
             a sync must re-quantize master weights with the same one (``NVFP4Spec.arithmetic``).
@@ -92,8 +93,6 @@ class QpassQuantOptions:
         if self.weight_arithmetic not in WEIGHT_ARITHMETIC:
             raise QpassError(f"{METHOD_NAME}: weight_arithmetic must be one of {WEIGHT_ARITHMETIC}, got {self.weight_arithmetic!r}")
         for site, cfg in self.rac.items():
-            if cfg.selection == "static":
-                raise QpassError(f"{METHOD_NAME}: site {site} uses static RAC, whose calibrated channels a checkpoint does not carry")
             if self.act == "none":
                 raise QpassError(f"{METHOD_NAME}: site {site} has RAC but activations are not quantized (act='none')")
 
@@ -128,6 +127,9 @@ class QpassQuantOptions:
         rac = {}
         for site, r in (q.get("rac") or {}).items():
             rac[site] = RACConfig(float(r["ratio"]), r.get("mode", "masked"), r.get("selection", "batch"))
+            if rac[site].selection == "static":
+                raise QpassError(f"{METHOD_NAME}: site {site} uses static RAC (calibrated channels {site}.rac_channels); "
+                                 "the qpass engine plugins do not serve static RAC yet (use selection batch or token)")
         excl = q.get("exclude_modules") or q.get("ignore") or q.get("modules_to_not_convert")
         arith = q.get("weight_arithmetic", "te_reference")
         return cls(act=act, rac=rac, exclude=tuple(excl) if excl is not None else DEFAULT_EXCLUDE, weight_arithmetic=arith,

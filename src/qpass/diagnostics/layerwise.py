@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qpass.diagnostics.robust import norm_ratio, pow2_exponent, scaled, unscale
 from qpass.formats.spec import NVFP4_ACT, NVFP4Spec
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
@@ -47,8 +48,10 @@ class SiteMismatch:
 
     Attributes:
         site: site name.
-        fro: ``||X_roll - X_learn||_F`` (float64 arithmetic; activation units).
-        rel: ``fro / ||X_learn||_F``; 0 if both are 0, ``inf`` if only ``X_learn`` is 0.
+        fro: ``||X_roll - X_learn||_F`` (float64 arithmetic; activation units; ``inf`` only if it
+            exceeds ``DBL_MAX``).
+        rel: ``fro / ||X_learn||_F``; 0 if both are 0, ``inf`` if only ``X_learn`` is 0; finite for
+            huge finite activations (both norms on one power-of-two rescaled copy).
         max_abs: ``max |X_roll - X_learn|``.
         rms: ``fro / sqrt(numel)``.
         n_tokens: valid rows compared; numel: elements compared.
@@ -109,17 +112,19 @@ def layerwise_mismatch(
                 bad = ~torch.isfinite(t)
                 if bool(bad.any()):
                     raise ValueError(f"layerwise_mismatch: {int(bad.sum())} non-finite {side} activation(s) at site {site!r}")
-            diff = rr - rl
-            fro = float(torch.linalg.vector_norm(diff))
-            base = float(torch.linalg.vector_norm(rl))
-            rel = fro / base if base > 0 else (0.0 if fro == 0 else math.inf)
-            numel = diff.numel()
+            # one power-of-two scale for both sides when the squares (or the difference) could overflow
+            # float64 (qpass.diagnostics.robust): rel and rms stay finite for huge finite activations
+            numel = rl.numel()
+            e = pow2_exponent(max(float(rl.abs().max()) if numel else 0.0, float(rr.abs().max()) if numel else 0.0), 2 * numel, power=2)
+            diff = scaled(rr, e) - scaled(rl, e)
+            fro_s = float(torch.linalg.vector_norm(diff))
+            rel = norm_ratio(diff, scaled(rl, e))
             out[site] = SiteMismatch(
                 site=site,
-                fro=fro,
+                fro=unscale(fro_s, e),
                 rel=rel,
-                max_abs=float(diff.abs().max()) if numel else 0.0,
-                rms=fro / math.sqrt(numel) if numel else 0.0,
+                max_abs=unscale(float(diff.abs().max()), e) if numel else 0.0,
+                rms=unscale(fro_s / math.sqrt(numel), e) if numel else 0.0,
                 n_tokens=rl.shape[0],
                 numel=numel,
             )

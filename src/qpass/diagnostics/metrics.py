@@ -49,9 +49,12 @@ non-NaN token, taking the limits the formula has: a ``-inf`` token has weight 0;
 has weight ``+inf``, the infinite weights (all taken equal) dominate and ESS =
 ``n_posinf / n`` (n = non-NaN tokens); if every weight is 0, ESS = 0 (no token carries weight).
 Truncated ESS maps ``+inf`` to the cap ``C`` first, so it is ordinary. Finite ``d`` never
-overflows in ESS (weights are rescaled by ``e^{-max d}``; ESS is scale-invariant). K3 of a finite
-``d > ~709`` overflows float64 to ``inf``; ``k3_log_ratio_clamp`` bounds it. A reduction with no
-usable token at all is ``nan`` ("no data"; the counts say why), never an exception.
+overflows in ESS (weights are rescaled by ``e^{-max d}``; ESS is scale-invariant), and the means of
+huge finite values stay finite (terms rescaled by a power of two before summing:
+:mod:`qpass.diagnostics.robust`). K3 of a finite ``d > ~709`` overflows float64 to ``inf``;
+``k3_log_ratio_clamp`` bounds it. Finite ``logp`` and ``logq`` whose difference overflows float64
+are not log-probabilities: ``ValueError`` (naming the position), not an ``inf`` read as "probability
+0". A reduction with no usable token at all is ``nan`` ("no data"; the counts say why).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import math
 import torch
 
 from qpass.diagnostics.masks import as_bool_mask, broadcast_advantages, check_token_tensor
+from qpass.diagnostics.robust import stable_mean, stable_row_mean
 
 __all__ = [
     "CLIPPED_HIGH",
@@ -193,8 +197,10 @@ def normalized_ess(weights: torch.Tensor) -> float:
     return float(ess[0])
 
 
-def _mean_or_nan(total: torch.Tensor, count: int) -> float:
-    return float(total) / count if count else _NAN
+def _mean_or_nan(values: torch.Tensor, count: int) -> float:
+    """``sum(values) / count`` (NaN for no data), rescaled so huge finite values give a finite mean
+    (:func:`qpass.diagnostics.robust.stable_mean`; bit-identical to the plain sum otherwise)."""
+    return stable_mean(values, count)
 
 
 def mismatch_metrics(
@@ -237,7 +243,13 @@ def mismatch_metrics(
 
     with torch.no_grad():
         zero = torch.zeros((), dtype=torch.float64, device=logp.device)
-        d = torch.where(valid, logp.detach().double() - logq.detach().double().to(logp.device), zero)
+        lp64, lq64 = logp.detach().double(), logq.detach().double().to(logp.device)
+        d = torch.where(valid, lp64 - lq64, zero)
+        over = valid & torch.isfinite(lp64) & torch.isfinite(lq64) & ~torch.isfinite(d)
+        if bool(over.any()):  # else +-inf would be read as "probability 0" and NaN could follow
+            b, t = (int(i) for i in over.nonzero()[0])
+            raise ValueError(f"logp - logq overflows float64 at [{b}, {t}] (logp={float(lp64[b, t])!r}, logq={float(lq64[b, t])!r}): "
+                             "finite inputs of this size are not log-probabilities")
         isnan = valid & torch.isnan(d)
         posinf = valid & (d == math.inf)
         neginf = valid & (d == -math.inf)
@@ -258,9 +270,9 @@ def mismatch_metrics(
         tok_ess_tr, _ = _ess_rows(dt.reshape(1, -1), usable.reshape(1, -1))
         has_tok = int(tok_n[0]) > 0
         token = MismatchReduction(
-            g_abs=_mean_or_nan(absd.sum(), n_fin),
-            k1=_mean_or_nan(-df.sum(), n_fin),
-            k3=_mean_or_nan(k3_tok.sum(), n_fin),
+            g_abs=_mean_or_nan(absd, n_fin),
+            k1=-_mean_or_nan(df, n_fin),
+            k3=_mean_or_nan(k3_tok, n_fin),
             ess_raw=float(tok_ess_raw[0]) if has_tok else _NAN,
             ess_trunc=float(tok_ess_tr[0]) if has_tok else _NAN,
             count=n_fin,
@@ -272,8 +284,8 @@ def mismatch_metrics(
         denom = n_fin_row.clamp(min=1).double()
 
         def resp_mean(per_token: torch.Tensor) -> float:
-            per_row = per_token.sum(-1) / denom
-            return _mean_or_nan(torch.where(rows, per_row, torch.zeros_like(per_row)).sum(), n_rows)
+            per_row = stable_row_mean(per_token, denom)
+            return _mean_or_nan(torch.where(rows, per_row, torch.zeros_like(per_row)), n_rows)
 
         r_ess_raw, r_n = _ess_rows(d, usable)
         r_ess_tr, _ = _ess_rows(dt, usable)
@@ -281,10 +293,10 @@ def mismatch_metrics(
         n_ess_rows = int(ess_rows.sum())
         response = MismatchReduction(
             g_abs=resp_mean(absd),
-            k1=resp_mean(-df),
+            k1=-resp_mean(df),
             k3=resp_mean(k3_tok),
-            ess_raw=_mean_or_nan(torch.where(ess_rows, r_ess_raw, zero).sum(), n_ess_rows),
-            ess_trunc=_mean_or_nan(torch.where(ess_rows, r_ess_tr, zero).sum(), n_ess_rows),
+            ess_raw=_mean_or_nan(torch.where(ess_rows, r_ess_raw, zero), n_ess_rows),
+            ess_trunc=_mean_or_nan(torch.where(ess_rows, r_ess_tr, zero), n_ess_rows),
             count=n_rows,
         )
 

@@ -84,6 +84,11 @@ class NVFP4Spec:
             element ``fl(x/fl(s_b*S_dec))``; see :func:`qpass.quant.nvfp4.quantize_with_amax_modelopt`).
             Learner QDQ, rollout lowering and sync all quantize with the spec's arithmetic, so a
             recipe that selects ``modelopt`` on both sides keeps bit-level parity.
+        global_source: where a per-tensor activation global scale comes from: ``dynamic`` (the
+            amax of the current input, SPEC §3 rule 5) or ``static`` (a calibrated amax, the
+            ``input_scale`` of ModelOpt / vLLM ``modelopt_fp4`` checkpoints: an input beyond it
+            saturates block scales at 448 and elements at ±6, exactly as the SPEC §3 formula says).
+            Activations with a per-tensor scope only.
     """
 
     name: Literal["nvfp4"] = "nvfp4"
@@ -98,8 +103,14 @@ class NVFP4Spec:
     zero_scale_rule: ZeroScaleRule = ZeroScaleRule.KEEP_ZERO
     nibble_order: Literal["low_even"] = "low_even"
     arithmetic: Literal["te_reference", "modelopt"] = "te_reference"
+    global_source: Literal["dynamic", "static"] = "dynamic"
 
     def __post_init__(self) -> None:
+        if self.global_source not in ("dynamic", "static"):
+            raise ValueError(f"NVFP4 global_source must be 'dynamic' or 'static', got {self.global_source!r}")
+        if self.global_source == "static" and (self.role != "activation" or self.global_scope != "per_tensor"):
+            raise ValueError("a static (calibrated) NVFP4 global scale is for per-tensor activations only "
+                             "(weights recompute their amax at every quantization, SPEC §3 rule 2)")
         if self.arithmetic not in ("te_reference", "modelopt"):
             raise ValueError(f"NVFP4 arithmetic must be 'te_reference' or 'modelopt', got {self.arithmetic!r}")
         if self.arithmetic == "modelopt" and self.role != "weight":
@@ -112,8 +123,11 @@ class NVFP4Spec:
     @property
     def key(self) -> str:
         """Stable string id used in reports and lowering tables, e.g. ``nvfp4.weight.per_tensor``
-        (``nvfp4.weight.per_tensor.modelopt`` for the ModelOpt arithmetic)."""
+        (``nvfp4.weight.per_tensor.modelopt`` for the ModelOpt arithmetic,
+        ``nvfp4.activation.per_tensor.static`` for a calibrated activation scale)."""
         base = f"{self.name}.{self.role}.{self.global_scope}"
+        if self.global_source == "static":
+            base += ".static"
         return base if self.arithmetic == "te_reference" else f"{base}.{self.arithmetic}"
 
     @property
@@ -194,6 +208,9 @@ NVFP4_WEIGHT = NVFP4Spec(role="weight")
 NVFP4_WEIGHT_MODELOPT = NVFP4Spec(role="weight", arithmetic="modelopt")
 NVFP4_ACT = NVFP4Spec(role="activation", global_scope="per_tensor")
 NVFP4_ACT_PER_TOKEN = NVFP4Spec(role="activation", global_scope="per_token")
+# Not in ALL_SPECS either: a calibrated (static) per-tensor activation scale runs on the reference
+# kernels only; backends keyed by canonical spec keys refuse it by name.
+NVFP4_ACT_STATIC = NVFP4Spec(role="activation", global_scope="per_tensor", global_source="static")
 MXFP4_WEIGHT = MXFP4Spec(role="weight")
 FP8_WEIGHT_BLOCK = FP8Spec(role="weight", granularity=Granularity.BLOCK_128X128)
 FP8_ACT_BLOCK = FP8Spec(role="activation", granularity=Granularity.BLOCK_1X128)
@@ -214,34 +231,43 @@ ALL_SPECS: tuple[QuantSpec, ...] = (
 
 # The NVFP4 activation *modes*: the ``act`` argument of ``qpass::nvfp4_linear``, the ``act`` option of
 # ``w4a4_lower`` and of the ``qpass_nvfp4`` checkpoint config. The one place a mode string meets its spec.
+# NVFP4_ACT_MODES are the dynamic ones a recipe's ``act`` and a checkpoint config may name;
+# NVFP4_OP_ACT_MODES adds ``nvfp4_static`` (a calibrated per-tensor scale, ``w4a4_lower`` with
+# ``act_scale: static``), which exists only in rollout graphs (the op's ``act`` with its ``act_amax``
+# constant) and what is derived from them (reports, export sites); the engine plugins do not serve it.
 NVFP4ActMode = Literal["nvfp4", "nvfp4_per_token", "none"]
 NVFP4_ACT_MODES: dict[str, NVFP4Spec | None] = {"nvfp4": NVFP4_ACT, "nvfp4_per_token": NVFP4_ACT_PER_TOKEN, "none": None}
+NVFP4OpActMode = Literal["nvfp4", "nvfp4_per_token", "nvfp4_static", "none"]
+NVFP4_OP_ACT_MODES: dict[str, NVFP4Spec | None] = {**NVFP4_ACT_MODES, "nvfp4_static": NVFP4_ACT_STATIC}
 
 
 def nvfp4_act_spec_of(mode: str, where: str = "") -> NVFP4Spec | None:
-    """The activation spec of an NVFP4 activation mode (``none`` -> None: W4A16).
+    """The activation spec of an NVFP4 activation mode of the op (:data:`NVFP4_OP_ACT_MODES`;
+    ``none`` -> None: W4A16). Recipe and checkpoint options are validated against
+    :data:`NVFP4_ACT_MODES` before they get here.
 
     Raises:
         ValueError: unknown mode; names ``where`` (a site, an option) and the known modes.
     """
     try:
-        return NVFP4_ACT_MODES[mode]
+        return NVFP4_OP_ACT_MODES[mode]
     except (KeyError, TypeError):
-        raise ValueError(f"{where + ': ' if where else ''}NVFP4 activation mode must be one of {list(NVFP4_ACT_MODES)}, "
+        raise ValueError(f"{where + ': ' if where else ''}NVFP4 activation mode must be one of {list(NVFP4_OP_ACT_MODES)}, "
                          f"got {mode!r}") from None
 
 
 def nvfp4_act_mode(spec: QuantSpec | None) -> str:
-    """The NVFP4 activation mode of an activation spec (None -> ``none``).
+    """The NVFP4 activation mode of an activation spec (None -> ``none``; ``NVFP4_ACT_STATIC`` ->
+    ``nvfp4_static``).
 
     Raises:
         ValueError: ``spec`` is not an NVFP4 activation spec.
     """
-    for mode, s in NVFP4_ACT_MODES.items():
+    for mode, s in NVFP4_OP_ACT_MODES.items():
         if s == spec:
             return mode
     raise ValueError(f"{spec.key if spec is not None else spec} is not an NVFP4 activation spec "
-                     f"(modes: {list(NVFP4_ACT_MODES)})")
+                     f"(modes: {list(NVFP4_OP_ACT_MODES)})")
 
 
 def nvfp4_weight_spec(arithmetic: str = "te_reference") -> NVFP4Spec:

@@ -100,6 +100,13 @@ def _nvfp4_lowered(qg: QGraph) -> list[str]:
             bad.append(f"{n.name} ({a['site']}): constant shapes {tuple(codes.shape)}/{tuple(scales.shape)}/{tuple(s_dec.shape)}")
         if a["site"] != n.meta.get("qpass_linear_site"):
             bad.append(f"{n.name}: site argument {a['site']!r} != stamp {n.meta.get('qpass_linear_site')!r}")
+        static = isinstance(a.get("act_amax"), torch.fx.Node)
+        if static != (a["act"] == "nvfp4_static"):
+            bad.append(f"{n.name} ({a['site']}): act {a['act']!r} with {'an' if static else 'no'} act_amax constant")
+        elif static:
+            amax = qg.gm.get_buffer(str(a["act_amax"].target))
+            if amax.dtype != torch.float32 or amax.dim() != 0:
+                bad.append(f"{n.name} ({a['site']}): act_amax constant is {amax.dtype}{tuple(amax.shape)}, expected float32 0-d")
     return bad
 
 

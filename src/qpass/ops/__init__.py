@@ -29,6 +29,8 @@ from qpass.ops.linear import (  # noqa: F401 (re-exported)
     fp8_linear,
     mxfp4_linear,
     nvfp4_linear,
+    serves_static_act,
+    static_act_kernel_check,
 )
 from qpass.ops.schema import Arg, OpSchema, register_kernel  # noqa: F401 (re-exported)
 from qpass.tables import TABLES

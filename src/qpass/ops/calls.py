@@ -57,16 +57,23 @@ class NVFP4LinearCall:
             ``[N, K/16]`` (linear layout), ``s_dec`` float32 0-dim decode multiplier ``S_dec_W``.
         bias: ``[N]`` or None.
         act: the activation spec: ``NVFP4_ACT`` (W4A4, dynamic per-tensor global scale),
-            ``NVFP4_ACT_PER_TOKEN`` (one global scale per row) or None (W4A16: ``x`` as given).
+            ``NVFP4_ACT_PER_TOKEN`` (one global scale per row), ``NVFP4_ACT_STATIC`` (W4A4 with the
+            calibrated per-tensor amax ``act_amax``, ``qpass calibrate``) or None (W4A16: ``x`` as given).
         rac: residual activation compensation (SPEC §2) or None. None also when ``act`` is None or
             the ratio selects no channel (``rac_k == 0``: plain W4A4, the reference rule).
         rac_channels: int64 ``[rac_k]`` calibrated channels for ``rac.selection == 'static'``, else None.
         site: the site id (every error names it).
         out_dtype: output dtype (``x.dtype`` for the op).
+        act_amax: float32 0-d calibrated input amax of the site's fused group for a static ``act``
+            (SPEC §3 with rule 5's global scale from calibration:
+            :func:`qpass.quant.nvfp4.nvfp4_quantize_static`), else None. Only kernels that declare
+            :func:`qpass.ops.linear.serves_static_act` receive a call with one; the others are refused
+            by name before they run (:func:`qpass.ops.linear.static_act_kernel_check`).
     Derived once, at construction:
         rac_k: the number of compensated channels, ``rac.num_channels(K)`` (0 without RAC).
     Raises (construction):
-        QuantizationError: ``x``'s K differs from the weight's (names the site).
+        QuantizationError: ``x``'s K differs from the weight's; a static ``act`` without ``act_amax``
+            or an ``act_amax`` with another ``act`` (names the site).
     """
 
     x: torch.Tensor
@@ -77,10 +84,17 @@ class NVFP4LinearCall:
     rac_channels: torch.Tensor | None
     site: str
     out_dtype: torch.dtype
+    act_amax: torch.Tensor | None = None
     rac_k: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         _check_k(self.x, self.in_features, self.site)
+        if self.static_act and self.act_amax is None:
+            raise QuantizationError(f"nvfp4_linear at site {self.site}: static activation scale ('nvfp4_static') but no "
+                                    "calibrated amax (act_amax is None)")
+        if not self.static_act and self.act_amax is not None:
+            raise QuantizationError(f"nvfp4_linear at site {self.site}: a calibrated act_amax was given for activation mode "
+                                    f"{nvfp4_act_mode(self.act)!r} (it goes with 'nvfp4_static' only)")
         rac = self.rac if self.act is not None else None
         k = rac.num_channels(self.in_features) if rac is not None else 0
         object.__setattr__(self, "rac", rac if k > 0 else None)
@@ -113,11 +127,17 @@ class NVFP4LinearCall:
         """W4A4 with one activation global scale per row."""
         return self.act is not None and self.act.global_scope == "per_token"
 
+    @property
+    def static_act(self) -> bool:
+        """W4A4 with a static (calibrated) per-tensor activation global scale (``act_amax``)."""
+        return self.act is not None and self.act.global_source == "static"
+
     # ------------------------------------------------------------------ flat <-> typed
     @staticmethod
     def encode(act: NVFP4Spec | None, rac: RACConfig | None = None) -> dict[str, Any]:
         """The op's option arguments (``act``, ``rac_ratio``, ``rac_mode``, ``rac_selection``) of a
-        typed activation spec and RAC config (``rac_channels`` is a tensor argument: set it apart)."""
+        typed activation spec and RAC config (``rac_channels`` and ``act_amax`` are tensor arguments:
+        set them apart)."""
         out = {"act": nvfp4_act_mode(act)}
         out.update(_NO_RAC if rac is None else {"rac_ratio": float(rac.ratio), "rac_mode": rac.mode,
                                                  "rac_selection": rac.selection})
@@ -143,28 +163,30 @@ class NVFP4LinearCall:
     @classmethod
     def from_args(cls, *, x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, w_s_dec: torch.Tensor,
                   bias: torch.Tensor | None, site: str, act: str, rac_ratio: float, rac_mode: str, rac_selection: str,
-                  rac_channels: torch.Tensor | None) -> "NVFP4LinearCall":
+                  rac_channels: torch.Tensor | None, act_amax: torch.Tensor | None = None) -> "NVFP4LinearCall":
         """The call of the op's flat arguments (the op's schema order)."""
         act_spec, rac = cls.decode({"act": act, "rac_ratio": rac_ratio, "rac_mode": rac_mode,
                                     "rac_selection": rac_selection}, site)
         return cls(x=x, weight=NVFP4Tensor.from_parts(w_codes, w_scales, w_s_dec), bias=bias, act=act_spec, rac=rac,
-                   rac_channels=rac_channels, site=site, out_dtype=x.dtype)
+                   rac_channels=rac_channels, site=site, out_dtype=x.dtype, act_amax=act_amax)
 
     def to_args(self) -> dict[str, Any]:
         """The op's flat arguments of this call."""
         w = self.weight
         return {"x": self.x, "w_codes": w.codes, "w_scales": w.scales, "w_s_dec": w.s_dec, "bias": self.bias,
-                "site": self.site, **self.encode(self.act, self.rac), "rac_channels": self.rac_channels}
+                "site": self.site, **self.encode(self.act, self.rac), "rac_channels": self.rac_channels,
+                "act_amax": self.act_amax}
 
     @classmethod
     def lowering_args(cls, weight: QuantSpec, act: QuantSpec | None, site: str) -> dict[str, Any]:
-        """The option arguments of a freshly lowered site (RAC off; ``rac_channels`` None).
+        """The option arguments of a freshly lowered site (RAC off; ``rac_channels`` None; ``act_amax``
+        None: the lowering pass sets the calibrated constant of a static ``act``).
 
         Raises:
             QpassError: ``act`` is not an NVFP4 activation spec (names the site).
         """
         try:
-            return {**cls.encode(act, None), "rac_channels": None}
+            return {**cls.encode(act, None), "rac_channels": None, "act_amax": None}
         except ValueError as exc:
             raise QpassError(f"site {site}: qpass::nvfp4_linear cannot quantize activations as {act.key}: {exc}") from None
 

@@ -3,9 +3,14 @@
 Ops (namespace ``qpass``; each survives ``torch.export`` as one node with its fake kernel):
 
 * ``qpass::nvfp4_linear(x, w_codes, w_scales, w_s_dec, bias?, site, act, rac_ratio, rac_mode,
-  rac_selection, rac_channels?)``: the NVFP4 rollout linear; kernels receive a
+  rac_selection, rac_channels?, act_amax?=None)``: the NVFP4 rollout linear; kernels receive a
   :class:`~qpass.ops.calls.NVFP4LinearCall` (``act='none'`` W4A16, ``'nvfp4'`` / ``'nvfp4_per_token'``
-  W4A4, ``rac_ratio > 0`` residual activation compensation).
+  W4A4 with a dynamic global scale, ``'nvfp4_static'`` W4A4 with the calibrated per-tensor amax
+  ``act_amax`` (float32 0-d; ``qpass calibrate``), ``rac_ratio > 0`` residual activation
+  compensation). Only kernels marked :func:`serves_static_act` (the reference one) take
+  ``'nvfp4_static'``; another backend is a :class:`~qpass.tables.KernelMissingError` naming the site
+  (:func:`static_act_kernel_check`, also run when a rollout graph is built), never a silently dynamic
+  scale. Inside :func:`qpass.quant.observe.observe_input_amax` every call records its input amax.
 * ``qpass::fp8_linear(x, w_data, w_scale, bias?, site, act_granularity, w_granularity)``: W8A8 FP8
   E4M3 (:class:`~qpass.ops.calls.FP8LinearCall`).
 * ``qpass::mxfp4_linear(x, w_codes, w_scales, bias?, site)``: MXFP4 weight-only
@@ -25,26 +30,56 @@ from typing import Any
 
 import torch
 
-from qpass.formats.spec import FP8Spec, MXFP4Spec, NVFP4Spec, QuantSpec
+from qpass.formats.spec import NVFP4_WEIGHT, FP8Spec, MXFP4Spec, NVFP4Spec, QuantSpec
 from qpass.ops.calls import FP8LinearCall, MXFP4LinearCall, NVFP4LinearCall
 from qpass.ops.schema import Arg, OpSchema, register_kernel
 from qpass.quant.fp8 import fp8_dequantize
 from qpass.quant.linear import fp8_linear_reference, mxfp4_linear_reference, nvfp4_linear_reference
 from qpass.quant.mxfp4 import mxfp4_dequantize
 from qpass.quant.nvfp4 import nvfp4_dequantize
-from qpass.tables import register
+from qpass.quant.observe import record as observe_input
+from qpass.tables import KernelMissingError, kernel, register
 
 # The rollout NVFP4/MXFP4 ops multiply weights decoded to this dtype (SPEC §3 dequant: bf16_rne),
 # whatever the model dtype; the parity checker compares the learner's operand against it.
 WEIGHT_OPERAND_DTYPE = torch.bfloat16
 
+# A kernel of qpass::nvfp4_linear that implements the static (calibrated) activation scale carries this
+# attribute set to True (serves_static_act); kernels written before static scales existed lack it.
+STATIC_ACT_ATTR = "qpass_serves_static_act"
+
+
+def serves_static_act(fn: Callable[..., torch.Tensor]) -> bool:
+    """Whether a ``qpass::nvfp4_linear`` kernel implements ``act='nvfp4_static'`` (reads ``call.act_amax``)."""
+    return bool(getattr(fn, STATIC_ACT_ATTR, False))
+
+
+def static_act_kernel_check(backend: str, site: str) -> None:
+    """Refuse a static activation scale on a backend whose ``qpass::nvfp4_linear`` kernel has none.
+
+    Raises:
+        KernelMissingError: names the site and the backend (also when the backend has no kernel at all).
+    """
+    if not serves_static_act(kernel("qpass::nvfp4_linear", NVFP4_WEIGHT, backend)):
+        raise KernelMissingError(
+            f"site {site}: the {backend!r} kernel of qpass::nvfp4_linear has no static (calibrated) activation scale "
+            "(act: nvfp4_static); use --kernels reference, or act_scale: dynamic")
+
+
+def _nvfp4_before_kernel(call: NVFP4LinearCall, fn: Callable[..., torch.Tensor], backend: str) -> None:
+    observe_input(call.site, call.x)
+    if call.static_act and not serves_static_act(fn):
+        static_act_kernel_check(backend, call.site)
+
+
 NVFP4_LINEAR = OpSchema(
     "qpass::nvfp4_linear",
     (Arg("x", "Tensor"), Arg("w_codes", "Tensor"), Arg("w_scales", "Tensor"), Arg("w_s_dec", "Tensor"),
      Arg("bias", "Tensor?"), Arg("site", "str"), Arg("act", "str"), Arg("rac_ratio", "float"), Arg("rac_mode", "str"),
-     Arg("rac_selection", "str"), Arg("rac_channels", "Tensor?")),
+     Arg("rac_selection", "str"), Arg("rac_channels", "Tensor?"), Arg("act_amax", "Tensor?", None)),
     call=NVFP4LinearCall, spec_type=NVFP4Spec, out_features="w_codes",
     doc="NVFP4 rollout linear x [..., K] -> [..., N] (qpass.ops.calls.NVFP4LinearCall).",
+    before_kernel=_nvfp4_before_kernel,
 )
 FP8_LINEAR = OpSchema(
     "qpass::fp8_linear",
@@ -99,11 +134,15 @@ def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tens
 
 @register_kernel(NVFP4_LINEAR, "reference")
 def nvfp4_linear_ref(call: NVFP4LinearCall) -> torch.Tensor:
-    """Reference kernel of ``qpass::nvfp4_linear`` (the decoded weight cached per weight version)."""
+    """Reference kernel of ``qpass::nvfp4_linear`` (the decoded weight cached per weight version);
+    serves every activation mode, the static one included."""
     w = call.weight
     # cached as float32 (exact: the decoded values are bf16) so each call skips the conversion
     w_hat = cached_weight((w.codes, w.scales, w.s_dec), lambda: nvfp4_dequantize(w, WEIGHT_OPERAND_DTYPE).float())
     return nvfp4_linear_reference(call, w_hat=w_hat)
+
+
+setattr(nvfp4_linear_ref, STATIC_ACT_ATTR, True)
 
 
 @register_kernel(MXFP4_LINEAR, "reference")

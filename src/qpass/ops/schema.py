@@ -68,6 +68,9 @@ class OpSchema:
         spec_type: the weight spec type: the ``kernels`` table key is ``(name, spec_type, backend)``.
         out_features: the argument whose dim 0 is the output width N (the fake kernel's shape).
         doc: one-line description (the custom op's docstring).
+        before_kernel: ``fn(call, kernel, backend)`` run by the op on every non-empty call before its
+            kernel (``qpass::nvfp4_linear``: the input-amax tape of :mod:`qpass.quant.observe`, and the
+            refusal of a static activation scale by a kernel that has none); None: nothing.
     """
 
     name: str
@@ -76,6 +79,7 @@ class OpSchema:
     spec_type: type
     out_features: str
     doc: str = ""
+    before_kernel: Callable[[Any, Callable[[Any], torch.Tensor], str], None] | None = None
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -121,12 +125,18 @@ class OpSchema:
         return getattr(getattr(torch.ops, ns), name)(**call.to_args())
 
     def kernel_for(self, call: Any) -> Callable[[Any], torch.Tensor]:
-        """The kernel of the backend in effect for ``call`` (Triton needs a GPU or the interpreter).
+        """The kernel of the backend in effect for ``call`` (Triton needs a GPU or the interpreter),
+        after :attr:`before_kernel` accepted the call.
 
         Raises:
-            KernelMissingError: the backend has no kernel for this op / weight spec.
+            KernelMissingError: the backend has no kernel for this op / weight spec (or, through
+                :attr:`before_kernel`, none for what the call asks).
         """
-        return kernel(self.name, call.weight_spec, effective_backend(BACKEND.get(), call.x.device))
+        backend = effective_backend(BACKEND.get(), call.x.device)
+        fn = kernel(self.name, call.weight_spec, backend)
+        if self.before_kernel is not None:
+            self.before_kernel(call, fn, backend)
+        return fn
 
     def define(self) -> Any:
         """Register the custom op and its fake kernel (once per process; returns the ``CustomOpDef``).

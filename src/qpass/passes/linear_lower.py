@@ -6,12 +6,18 @@ op's typed call class, :mod:`qpass.ops.calls`) the option arguments,
 and :func:`qpass.quant.weights.quantize_site_weights` the constants (one shared amax per fused group
 for specs with a global scale, SPEC §3 rule 1). The recipe passes are thin configurations:
 
-* ``w4a4_lower`` (``act``: an NVFP4 activation mode, ``qpass.formats.spec.NVFP4_ACT_MODES``) and
+* ``w4a4_lower`` (``act``: an NVFP4 activation mode, ``qpass.formats.spec.NVFP4_ACT_MODES``;
+  ``act_scale``: dynamic | static) and
   ``w4a16_lower`` (``act: none``)::
 
       y = aten.linear(x, get_attr[model.layers.0.mlp.down_proj.weight])
    -> y = qpass.nvfp4_linear(x, codes, scales, s_dec, None, "model.layers.0.mlp.down_proj",
                              act="nvfp4", rac_ratio=0.0, rac_mode="masked", rac_selection="batch", None)
+
+  ``act_scale: static`` (with ``act: nvfp4``) takes each fused group's calibrated input amax from the
+  pass context's calibration (``qpass calibrate``; ``--calibration CAL``) instead of the amax of each
+  input: ``act="nvfp4_static"`` and one float32 0-d constant ``act_amax`` per site (bit-identical
+  within a fused group), SPEC §3 arithmetic with that global scale (ModelOpt's static ``input_scale``).
 
 * ``fp8_lower`` (``act_granularity``, ``weight_granularity``): ``qpass.fp8_linear(x, w_fp8, w_scale,
   bias, site, act_granularity, w_granularity)`` (DeepSeek-style blocks by default).
@@ -27,11 +33,14 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+import pydantic
+
 from qpass import ops  # noqa: F401 - registers the rollout ops and their table entries
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, NVFP4ActMode, QuantSpec, nvfp4_act_spec_of, nvfp4_weight_spec
 from qpass.graph.opargs import args_in_schema_order
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
+from qpass.errors import PassError
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
@@ -67,6 +76,7 @@ class LinearLower(Pass):
             else:
                 ok.append(s)
         groups = grouped(ok) if wspec.has_global_scale else {s.id: [s] for s in ok}
+        act_amax = self._static_amax(groups, aspec, ctx)
         g = qg.gm.graph
         flushed: dict[str, int] = {}
         for gid, members in groups.items():
@@ -90,6 +100,8 @@ class LinearLower(Pass):
                     else:  # kept (exported), never read by the op
                         qg.gm.register_buffer(attr, value)
                     names[cname] = attr
+                if s.id in act_amax:
+                    arg_nodes["act_amax"] = qg.add_constant(constant_name(s.id, "act_amax"), act_amax[s.id], before=first)
                 fixed = {**lo.option_args(wspec, aspec, s.id), **arg_nodes, "site": s.id}
                 for lin in nodes[s.id]:
                     args = args_in_schema_order(op, {"x": lin.args[0], "bias": bias_arg(lin), **fixed})
@@ -109,12 +121,39 @@ class LinearLower(Pass):
         res.changed = res.matches > 0
         res.details["removed_params"] = len(qg.prune())
         res.details["flushed_blocks"] = flushed
+        if act_amax:
+            res.details["static_act_sites"] = len(act_amax)
         return res
+
+    def _static_amax(self, groups: dict, aspec: QuantSpec | None, ctx: PassContext) -> dict:
+        """``{site: float32 0-d calibrated group amax}`` for a static activation spec (else empty).
+
+        Raises:
+            PassError: no calibration in the context (says how to get one).
+        """
+        if aspec is None or getattr(aspec, "global_source", "dynamic") != "static" or not groups:
+            return {}
+        from qpass.calibration.source import AmaxRequest
+
+        if ctx.calibration is None:
+            raise PassError(f"{self.name} with act_scale: static needs calibrated input scales; run "
+                            "`qpass calibrate RECIPE --out CAL` and pass --calibration CAL")
+        reqs = [AmaxRequest(s.id, gid, s.in_features) for gid, members in groups.items() for s in members]
+        got = ctx.calibration.input_amax(reqs)
+        return {r.site: got[r.site].detach().float().reshape(()).clone() for r in reqs}
 
 
 class NVFP4LowerOptions(PassOptions):
     act: NVFP4ActMode = "nvfp4"  # qpass.formats.spec.NVFP4_ACT_MODES
     arithmetic: Literal["te_reference", "modelopt"] = "te_reference"  # weight quantizer (NVFP4Spec.arithmetic); match weight_qdq
+    # activation global scale: the amax of each input (SPEC §3 rule 5) or a calibrated one (qpass calibrate)
+    act_scale: Literal["dynamic", "static"] = "dynamic"
+
+    @pydantic.model_validator(mode="after")
+    def _static_needs_per_tensor(self) -> "NVFP4LowerOptions":
+        if self.act_scale == "static" and self.act != "nvfp4":
+            raise ValueError(f"act_scale: static needs act: nvfp4 (a calibrated per-tensor input scale), got act: {self.act}")
+        return self
 
 
 class W4A16LowerOptions(NVFP4LowerOptions):
@@ -125,7 +164,9 @@ class _NVFP4Lower(LinearLower):
     ensures = ("nvfp4_lowered",)
 
     def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
-        return nvfp4_weight_spec(self.options.arithmetic), nvfp4_act_spec_of(self.options.act, self.name)
+        # act_scale: static (validated: with act: nvfp4 only) is the op's calibrated mode
+        static = getattr(self.options, "act_scale", "dynamic") == "static"
+        return nvfp4_weight_spec(self.options.arithmetic), nvfp4_act_spec_of("nvfp4_static" if static else self.options.act, self.name)
 
 
 @register_pass

@@ -5,9 +5,10 @@ Rewrites the arguments of existing ``qpass.nvfp4_linear`` nodes (it requires ``n
     qpass.nvfp4_linear(x, ..., act="nvfp4", rac_ratio=0.0, ...)
       -> qpass.nvfp4_linear(x, ..., act="nvfp4", rac_ratio=0.5, rac_mode="masked", rac_selection="batch", None)
 
-``selection: static`` calibrates: it runs the calibration inputs the caller provides through the
-graph, scores the channels of each site's residual over all calibration tokens with the exact
-integer score of :mod:`qpass.quant.rac`, and stores the top-k channels as an int64 constant.
+``selection: static`` asks the pass context's calibration (:mod:`qpass.calibration.source`: a
+verified ``qpass calibrate`` file, or calibration activations) for each site's channels — the
+top-k of the exact integer residual score over all calibration tokens,
+:func:`qpass.quant.rac.static_channels` — and stores them as an int64 constant ``rac_channels``.
 QUADS applies k = 50% on the gate/up input (the default targets).
 """
 
@@ -25,8 +26,7 @@ from qpass.ops import NVFP4_LINEAR, NVFP4LinearCall
 from qpass.graph.opargs import op_args, set_op_args
 from qpass.graph.qgraph import QGraph
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
-from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from qpass.quant.rac import RACConfig, channel_scores, topk_channels
+from qpass.quant.rac import RACConfig
 
 from qpass.passes.common import finish, selected
 
@@ -39,14 +39,6 @@ class RACOptions(PassOptions):
     # a ratio that selects 0 channels (floor(ratio * K) == 0) on every targeted site is an error
     # unless this is set (the study's zero-channel invariant: such RAC must equal plain W4A4)
     allow_zero_channels: bool = False
-
-
-def static_channels(x: torch.Tensor, act: NVFP4Spec, rac: RACConfig) -> torch.Tensor:
-    """Calibrated RAC channels of activations ``x`` [M, K] quantized as ``act``: the exact top-k
-    (``rac.num_channels(K)``) residual energy."""
-    q = nvfp4_quantize(x, spec=act)
-    r = x.float() - nvfp4_dequantize(q, torch.bfloat16).float()
-    return topk_channels(channel_scores(r, q.amax.amax()), rac.num_channels(x.shape[-1]))
 
 
 @register_pass
@@ -87,18 +79,11 @@ class ResidualCompensation(Pass):
                 f"({len(zero)}: {zero[:4]}{' ...' if len(zero) > 4 else ''}); use a ratio >= 1/in_features, drop the pass, "
                 "or set allow_zero_channels: true"
             )
-        calib = {}
-        if o.selection == "static" and todo:
-            if ctx.calibration is None:
-                raise PassError("residual_compensation with selection: static needs calibration inputs (none given)")
-            calib = ctx.calibration(qg, list(todo))
+        calib = self._static_channels(qg, todo, ctx) if o.selection == "static" and todo else {}
         for sid, nodes in todo.items():
             ch_node = None
             if o.selection == "static":
-                if sid not in calib:
-                    raise PassError(f"calibration produced no activations for site {sid}")
-                ch = static_channels(calib[sid], acts[sid], rac)
-                ch_node = qg.add_constant("qpass_rac__" + sid + "__channels", ch, before=nodes[0])
+                ch_node = qg.add_constant("qpass_rac__" + sid + "__channels", calib[sid], before=nodes[0])
             for n in nodes:
                 set_op_args(n, **NVFP4LinearCall.encode(acts[sid], rac), rac_channels=ch_node)
             qg.quant[sid] = dataclasses.replace(qg.quant[sid], rac=rac)
@@ -107,3 +92,34 @@ class ResidualCompensation(Pass):
         res.changed = res.matches > 0
         finish(qg)
         return res
+
+    def _static_channels(self, qg: QGraph, todo: dict[str, list[torch.fx.Node]], ctx: PassContext) -> dict[str, torch.Tensor]:
+        """The calibrated channels of every site in ``todo`` (int64 ``[k]``, sorted), checked.
+
+        Raises:
+            PassError: no calibration in the context (says how to get one); channels of another
+                count, unsorted or out of range (names the site and the source).
+        """
+        from qpass.calibration.source import RACRequest
+
+        if ctx.calibration is None:
+            raise PassError("residual_compensation with selection: static needs calibrated channels; run "
+                            "`qpass calibrate RECIPE --out CAL` and pass --calibration CAL")
+        reqs = []
+        for sid, nodes in todo.items():
+            a = op_args(nodes[0])
+            amax = qg.gm.get_buffer(str(a["act_amax"].target)).detach().clone() if isinstance(a["act_amax"], torch.fx.Node) else None
+            reqs.append(RACRequest(sid, float(self.options.ratio), a["act"], qg.sites[sid].in_features, amax))
+        got = ctx.calibration.rac_channels(reqs)
+        out = {}
+        for r in reqs:
+            ch = got.get(r.site)
+            if ch is None:
+                raise PassError(f"{ctx.calibration.name}: no static RAC channels for site {r.site}")
+            ch = ch.detach().to(torch.int64).cpu().reshape(-1).clone()
+            ok = ch.numel() == r.k and bool((ch[1:] > ch[:-1]).all()) and (ch.numel() == 0 or (0 <= int(ch[0]) and int(ch[-1]) < r.in_features))
+            if not ok:
+                raise PassError(f"{ctx.calibration.name}: site {r.site}: static RAC channels must be {r.k} distinct sorted "
+                                f"ids in [0, {r.in_features}), got {ch.numel()}: {ch[:8].tolist()}")
+            out[r.site] = ch
+        return out

@@ -3,7 +3,8 @@
 All variants dequantize operands with the SPEC §3 formula to bf16 and accumulate in float32:
 
 * W4A16:  ``y = X @ W_hat^T``                       X bf16 as given, ``W_hat = DQ(Q_W(W))``
-* W4A4:   ``y = X_hat @ W_hat^T``                   ``X_hat = DQ(Q_A(X))`` (dynamic global scale), bf16
+* W4A4:   ``y = X_hat @ W_hat^T``                   ``X_hat = DQ(Q_A(X))`` (dynamic global scale, or a
+  static calibrated one: ``act_spec.global_source == 'static'`` with ``act_amax``), bf16
   saturated to the activation dtype's range (``nvfp4_act_operand``: fp16 65504 -> 65280, not 65536 = inf)
 * W4A4 + RAC: ``y = X_hat @ W_hat^T + R_hat @ W_hat^T``  (two float32 accumulations; gathered mode
   uses the gathered columns of ``W_hat``), see :mod:`qpass.quant.rac`
@@ -30,7 +31,7 @@ import torch
 from qpass.formats.spec import NVFP4Spec
 from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
 from qpass.quant.mxfp4 import mxfp4_dequantize
-from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_act_operand, nvfp4_act_quantize, nvfp4_dequantize
 from qpass.quant.rac import RACConfig, rac_reference, scatter_gathered
 
 if TYPE_CHECKING:  # the call types import this package's tensors; kernels only read their fields
@@ -48,12 +49,13 @@ def nvfp4_linear_reference(call: "NVFP4LinearCall", *, w_hat: torch.Tensor | Non
 
     Args:
         call: the op's typed call (``x [..., K]``, NVFP4 weight ``[N, K]``, bias, activation spec,
-            RAC config with its derived ``rac_k``, static channels, site, output dtype).
+            RAC config with its derived ``rac_k``, static channels, the calibrated ``act_amax`` of a
+            static activation spec, site, output dtype).
         w_hat: optional cached ``nvfp4_dequantize(call.weight, bf16)`` (float32 or bf16).
     Returns:
         ``[..., N]`` in ``call.out_dtype``.
     Raises:
-        QuantizationError: NaN/inf activations, bad static channels (names the site).
+        QuantizationError: NaN/inf activations, bad static channels or calibrated amax (names the site).
     """
     x, w = call.x, call.weight
     w_hat = nvfp4_dequantize(w, torch.bfloat16) if w_hat is None else w_hat
@@ -62,10 +64,11 @@ def nvfp4_linear_reference(call: "NVFP4LinearCall", *, w_hat: torch.Tensor | Non
     if call.act is None:
         return _finish(x2.float() @ wf.t(), call.bias, x.shape[:-1], call.out_dtype)
     if call.rac is None:
-        qa = nvfp4_quantize(x2, spec=call.act, name="activation", site=call.site)
+        qa = nvfp4_act_quantize(x2, call.act, act_amax=call.act_amax, site=call.site)
         acc = nvfp4_act_operand(qa).float() @ wf.t()
         return _finish(acc, call.bias, x.shape[:-1], call.out_dtype)
-    res = rac_reference(x2, call.rac, call.act, static_channels=call.rac_channels, site=call.site, k=call.rac_k)
+    res = rac_reference(x2, call.rac, call.act, static_channels=call.rac_channels, act_amax=call.act_amax, site=call.site,
+                        k=call.rac_k)
     acc = res.x_hat.float() @ wf.t()
     if res.gather_index is None:
         acc = acc + res.comp.float() @ wf.t()
@@ -79,11 +82,12 @@ def nvfp4_linear_reference(call: "NVFP4LinearCall", *, w_hat: torch.Tensor | Non
 
 
 def _nvfp4_call(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, act_spec: NVFP4Spec | None,
-                rac: RACConfig | None, static_channels: torch.Tensor | None, site: str | None) -> "NVFP4LinearCall":
+                rac: RACConfig | None, static_channels: torch.Tensor | None, site: str | None,
+                act_amax: torch.Tensor | None = None) -> "NVFP4LinearCall":
     from qpass.ops.calls import NVFP4LinearCall
 
     return NVFP4LinearCall(x=x, weight=w, bias=bias, act=act_spec, rac=rac, rac_channels=static_channels,
-                           site=site or "", out_dtype=x.dtype)
+                           site=site or "", out_dtype=x.dtype, act_amax=act_amax)
 
 
 def w4a16_linear_reference(
@@ -105,26 +109,30 @@ def w4a4_linear_reference(
     act_spec: NVFP4Spec,
     rac: RACConfig | None = None,
     static_channels: torch.Tensor | None = None,
+    act_amax: torch.Tensor | None = None,
     w_hat: torch.Tensor | None = None,
     site: str | None = None,
 ) -> torch.Tensor:
-    """NVFP4 weights and dynamically quantized NVFP4 activations, optional RAC
+    """NVFP4 weights and NVFP4-quantized activations (dynamic or calibrated global scale), optional RAC
     (:func:`nvfp4_linear_reference` of the W4A4 call).
 
     Args:
         x: bf16/fp16/fp32 ``[..., K]`` (all leading dims are one forward batch of tokens).
         w: quantized weight ``[N, K]``.
         bias: optional ``[N]``.
-        act_spec: activation spec (per-tensor or per-token dynamic global scale).
+        act_spec: activation spec (per-tensor or per-token dynamic global scale, or per-tensor static).
         rac: residual compensation options, or None for plain W4A4 (ratio 0 is plain W4A4 too).
         static_channels: calibrated channels for ``rac.selection == 'static'``.
+        act_amax: float32 0-d calibrated amax for a static ``act_spec`` (SPEC §3 with rule 5's global
+            scale from calibration: :func:`qpass.quant.nvfp4.nvfp4_quantize_static`).
         w_hat: optional cached ``nvfp4_dequantize(w, bf16)``.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     Raises:
-        QuantizationError: K mismatch, NaN/inf activations (the message names ``site``).
+        QuantizationError: K mismatch, NaN/inf activations, a static spec without ``act_amax``
+            (the message names ``site``).
     """
-    return nvfp4_linear_reference(_nvfp4_call(x, w, bias, act_spec, rac, static_channels, site), w_hat=w_hat)
+    return nvfp4_linear_reference(_nvfp4_call(x, w, bias, act_spec, rac, static_channels, site, act_amax), w_hat=w_hat)
 
 
 def fp8_linear_reference(call: "FP8LinearCall", *, w_deq: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from qpass.errors import QuantizationError
 from qpass.formats.e2m1 import e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
 from qpass.formats.e4m3 import e4m3_round_magnitude
 from qpass.formats.fp32 import FLT_MAX, FP4_E2M1_MAX, FP8_E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
-from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN, NVFP4_WEIGHT, NVFP4Spec
+from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN, NVFP4_ACT_STATIC, NVFP4_WEIGHT, NVFP4Spec
 from qpass.quant.checks import check_float_input, describe, sync_checks_enabled
 from qpass.quant.groups import allreduce_max, tensor_amax
 
@@ -207,6 +207,40 @@ def nvfp4_quantize(
     return quantize_with_amax(x, amax_t, spec=spec)
 
 
+def nvfp4_quantize_static(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec = NVFP4_ACT, name: str | None = None,
+                          site: str | None = None) -> NVFP4Tensor:
+    """Quantize an activation with a **static** (calibrated) per-tensor global amax (SPEC §3 arithmetic).
+
+    The SPEC §3 formula with ``amax`` taken from calibration instead of ``max|x|``: ``S_enc =
+    fl(2688/amax)``, ``S_dec = fl(1/S_enc)``, block scales ``min(fl(vmax * fl(S_enc/6)), 448)`` rounded
+    to E4M3, elements clamped to ±6. Unlike :func:`nvfp4_quantize` an input larger than ``amax`` is
+    not an error: that is what a static scale does when activations drift past the calibration
+    (block scales saturate at 448, elements at ±6); how far they drift is reported, not refused.
+
+    Args:
+        x: bf16/fp16/fp32 ``(..., K)``, ``K % 16 == 0``, finite.
+        amax: float32 calibrated amax, shape ``()`` or ``[1]``, finite and ``> 0``.
+        spec: the activation spec recorded on the result (``NVFP4_ACT_STATIC`` in rollout graphs).
+        name, site: how errors name the tensor.
+    Returns:
+        :class:`NVFP4Tensor` (``s_dec``, ``s_enc`` and ``amax`` of the calibrated amax).
+    Raises:
+        QuantizationError: bad ``x`` (as :func:`nvfp4_quantize`); ``amax`` not a float32 scalar, or
+            (when value checks run) not finite and positive.
+    Source: SPEC §3 (global-scale lines) with rule 5's global scale taken from calibration.
+    """
+    check_float_input(x, op="nvfp4_quantize_static", multiple_of=BLOCK, name=name, site=site)
+    if spec.global_scope != "per_tensor":
+        raise QuantizationError(f"a static activation scale is per tensor, got spec {spec.key} ({describe(name, site)})")
+    a = torch.as_tensor(amax)
+    if a.dtype != torch.float32 or a.numel() != 1:
+        raise QuantizationError(f"static amax must be a float32 scalar, got {a.dtype}{tuple(a.shape)} ({describe(name, site)})")
+    a = a.to(x.device).reshape(())
+    if sync_checks_enabled(x.device) and not bool(torch.isfinite(a) & (a > 0)):
+        raise QuantizationError(f"static amax must be finite and > 0, got {float(a)} ({describe(name, site)})")
+    return quantize_with_amax(x, a, spec=spec)
+
+
 MODELOPT_MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt 0.47 _cast_per_block_scale_to_fp8: clamp(min=2**-9, max=448)
 
 
@@ -365,9 +399,34 @@ def nvfp4_qdq_reference(x: torch.Tensor, amax: torch.Tensor | None = None, *, sp
     return nvfp4_dequantize(nvfp4_quantize(x, amax, spec=spec), x.dtype)
 
 
-def nvfp4_act_spec(per_token: bool) -> NVFP4Spec:
-    """The activation spec for a dynamic per-tensor or per-token global scale."""
+def nvfp4_act_spec(per_token: bool, static: bool = False) -> NVFP4Spec:
+    """The activation spec for a dynamic per-tensor or per-token global scale, or a static (calibrated) one.
+
+    Raises:
+        QuantizationError: ``per_token`` and ``static`` together (a calibrated scale is per tensor).
+    """
+    if static:
+        if per_token:
+            raise QuantizationError("a static (calibrated) activation scale is per tensor; per_token has none")
+        return NVFP4_ACT_STATIC
     return NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
+
+
+def nvfp4_act_quantize(x: torch.Tensor, spec: NVFP4Spec, *, act_amax: torch.Tensor | None = None, site: str | None = None,
+                       name: str = "activation") -> NVFP4Tensor:
+    """The rollout's activation quantizer: dynamic (``spec.global_source == 'dynamic'``: the amax of ``x``,
+    per tensor or per token) or static (the calibrated ``act_amax``, :func:`nvfp4_quantize_static`).
+
+    Raises:
+        QuantizationError: a static spec without ``act_amax`` (or a dynamic one with it); see the quantizers.
+    """
+    if spec.global_source == "static":
+        if act_amax is None:
+            raise QuantizationError(f"static activation scale at site {site}: no calibrated amax given")
+        return nvfp4_quantize_static(x, act_amax, spec=spec, name=name, site=site)
+    if act_amax is not None:
+        raise QuantizationError(f"site {site}: a calibrated act_amax was given for the dynamic activation spec {spec.key}")
+    return nvfp4_quantize(x, spec=spec, name=name, site=site)
 
 
 def flushed_blocks(q: NVFP4Tensor) -> int:

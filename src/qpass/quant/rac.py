@@ -22,7 +22,15 @@ the same bits). ``shift = clamp(61 - ceil(log2 M) - 2*e_a, -100, 100)`` where
 ``amax(X) = f * 2^e_a`` (frexp); since ``|R| <= |X| (1 + 2^-7)`` every term is
 ``< 2^(62 - ceil(log2 M))`` and the sum cannot overflow. The ranking equals the L2-norm ranking
 up to the fixed-point resolution (~2^-50 of the largest term). ``selection: token`` ranks each row
-by ``|R_ij|`` (exact, no sum). ``selection: static`` takes calibrated channels.
+by ``|R_ij|`` (exact, no sum). ``selection: static`` takes calibrated channels: those of
+:func:`static_channels`, the ``batch`` selection applied once to all calibration tokens (the one
+function ``qpass calibrate``, the ``residual_compensation`` pass and ``qpass apply``'s residual
+map use).
+
+With a static (calibrated) activation scale (``act_spec.global_source == 'static'``), ``Q_A``
+uses the calibrated amax (:func:`qpass.quant.nvfp4.nvfp4_quantize_static`) and the score shift
+the current ``max|X|`` (for dynamic scales the two are the same bits); ``Q_R`` keeps its dynamic
+scale.
 """
 
 from __future__ import annotations
@@ -37,8 +45,9 @@ import torch
 
 from qpass.errors import QuantizationError
 from qpass.quant.checks import sync_checks_enabled
-from qpass.formats.spec import NVFP4Spec
-from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
+from qpass.formats.spec import NVFP4_ACT, NVFP4Spec
+from qpass.quant.groups import tensor_amax
+from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_act_operand, nvfp4_act_quantize, nvfp4_dequantize, nvfp4_quantize
 
 RACMode = Literal["masked", "gathered"]
 RACSelection = Literal["batch", "token", "static"]
@@ -134,6 +143,55 @@ def topk_channels(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order, dim=-1).values
 
 
+def activation_residual(x: torch.Tensor, act_spec: NVFP4Spec, *, act_amax: torch.Tensor | None = None,
+                        site: str | None = None) -> tuple[NVFP4Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Q_A(X), X_hat, R, score amax)`` of an activation ``x`` [M, K]: the first lines of the module formula.
+
+    ``X_hat = nvfp4_act_operand(Q_A(X))`` (bf16), ``R = fl(float(X) - float(X_hat))`` float32; the
+    score amax is ``max|X|`` (float32 0-d; ``Q_A``'s own amax for dynamic scales: the same bits).
+    """
+    qa = nvfp4_act_quantize(x, act_spec, act_amax=act_amax, site=site)
+    x_hat = nvfp4_act_operand(qa)  # bf16, saturated to x.dtype's range (the GEMM operand)
+    r = x.float() - x_hat.float()
+    score_amax = tensor_amax(x) if act_spec.global_source == "static" else qa.amax.amax()
+    return qa, x_hat, r, score_amax
+
+
+def static_channel_scores(x: torch.Tensor, *, act_spec: NVFP4Spec = NVFP4_ACT, act_amax: torch.Tensor | None = None,
+                          site: str | None = None) -> torch.Tensor:
+    """int64 ``[K]``: the exact residual energy per channel of calibration activations ``x`` [M, K]
+    (:func:`channel_scores` of ``R = X - DQ(Q_A(X))`` over all M rows, shift from ``max|X|``)."""
+    if x.dim() != 2:
+        raise QuantizationError(f"static RAC calibration expects [M, K], got shape={tuple(x.shape)} at site {site}")
+    _, _, r, score_amax = activation_residual(x, act_spec, act_amax=act_amax, site=site)
+    return channel_scores(r, score_amax)
+
+
+def static_channels(x: torch.Tensor, ratio: float, *, act_spec: NVFP4Spec = NVFP4_ACT, act_amax: torch.Tensor | None = None,
+                    site: str | None = None) -> torch.Tensor:
+    """Calibrated (static) RAC channels of calibration activations ``x`` [M, K]: the ``batch`` selection
+    applied once to every calibration token.
+
+    ``S = TopK_k(s)`` with ``s_j`` the exact integer residual energy of channel j
+    (:func:`static_channel_scores`) of ``R = X - DQ(Q_A(X))`` over all M rows, ``k = floor(ratio * K)``
+    (:func:`rac_num_channels`), ties toward the lower channel index (:func:`topk_channels`).
+
+    Args:
+        x: bf16/fp16/fp32 ``[M, K]``, every calibration token of one site (rows in any order: integer
+            sums do not depend on it), K % 16 == 0, finite.
+        ratio: RAC ratio in [0, 1].
+        act_spec: the site's activation spec (per-tensor / per-token dynamic, or static).
+        act_amax: the calibrated amax for a static ``act_spec``.
+    Returns:
+        int64 ``[k]`` channel ids, sorted ascending.
+    Raises:
+        QuantizationError: bad ``x`` (as :func:`qpass.quant.nvfp4.nvfp4_quantize`).
+    Source: SPEC §2 (score, top-k, ties toward the lower channel index).
+    """
+    scores = static_channel_scores(x, act_spec=act_spec, act_amax=act_amax, site=site)
+    return topk_channels(scores, rac_num_channels(x.shape[-1], ratio))
+
+
 @dataclasses.dataclass(frozen=True)
 class RACResult:
     """Everything the two GEMM accumulations need, plus what diagnostics read.
@@ -163,6 +221,7 @@ def rac_reference(
     act_spec: NVFP4Spec,
     *,
     static_channels: torch.Tensor | None = None,
+    act_amax: torch.Tensor | None = None,
     site: str | None = None,
     k: int | None = None,
 ) -> RACResult:
@@ -174,6 +233,7 @@ def rac_reference(
         act_spec: activation NVFP4 spec (per-tensor or per-token dynamic global scale); Q_R uses
             the same global scope.
         static_channels: int64 [k] channel ids, required for ``selection='static'``.
+        act_amax: float32 calibrated amax, required for a static ``act_spec`` (``Q_A`` only).
         site: names the site in errors.
         k: channels to compensate, as the op's call derived it (``NVFP4LinearCall.rac_k``);
             default ``cfg.num_channels(K)``.
@@ -186,9 +246,8 @@ def rac_reference(
     if x.dim() != 2:
         raise QuantizationError(f"rac_reference expects [M, K], got shape={tuple(x.shape)} at site {site}")
     m, k_dim = x.shape
-    qa = nvfp4_quantize(x, spec=act_spec, name="activation", site=site)
-    x_hat = nvfp4_act_operand(qa)  # bf16, saturated to x.dtype's range (the GEMM operand)
-    r = x.float() - x_hat.float()
+    qa, x_hat, r, score_amax = activation_residual(x, act_spec, act_amax=act_amax, site=site)
+    res_spec = NVFP4_ACT if act_spec.global_source == "static" else act_spec  # Q_R: its own dynamic scale
     k = cfg.num_channels(k_dim) if k is None else k
     if cfg.selection == "static":
         if static_channels is None:
@@ -197,12 +256,11 @@ def rac_reference(
         if ch.numel() and sync_checks_enabled(x.device) and (int(ch.min()) < 0 or int(ch.max()) >= k_dim):
             raise QuantizationError(f"static RAC channels out of range [0, {k_dim}) at site {site}")
     elif cfg.selection == "batch":
-        ch = topk_channels(channel_scores(r, qa.amax.amax()), k)
+        ch = topk_channels(channel_scores(r, score_amax), k)
     else:  # token: rank each row by |R_ij| (exact)
         ch = topk_channels(r.abs(), k)
-    per_token = act_spec.global_scope == "per_token"
     if cfg.mode == "masked":
-        qr = nvfp4_quantize(r, spec=act_spec, name="residual", site=site)
+        qr = nvfp4_quantize(r, spec=res_spec, name="residual", site=site)
         r_hat = nvfp4_dequantize(qr, torch.float32)
         mask = torch.zeros(m, k_dim, dtype=torch.bool, device=x.device)
         if ch.dim() == 1:
@@ -222,8 +280,7 @@ def rac_reference(
         index[:, : ch.shape[1]] = ch
         g = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
         g[:, : ch.shape[1]] = torch.gather(r, 1, ch)
-    del per_token  # Q_R follows act_spec's global scope via the spec itself
-    qr = nvfp4_quantize(g, spec=act_spec, name="residual", site=site)
+    qr = nvfp4_quantize(g, spec=res_spec, name="residual", site=site)  # Q_R follows act_spec's global scope
     comp = nvfp4_dequantize(qr, torch.bfloat16)
     return RACResult(x_hat, comp, ch, index, qa, qr, r)
 

@@ -66,6 +66,7 @@ import torch
 
 from qpass.diagnostics.masks import as_bool_mask, broadcast_advantages, check_token_tensor
 from qpass.diagnostics.metrics import CLIPPED_HIGH, CLIPPED_LOW, ppo_clip_branch
+from qpass.diagnostics.robust import pow2_exponent, stable_mean
 
 __all__ = [
     "Correction",
@@ -77,6 +78,7 @@ __all__ = [
 ]
 
 ADV_EPS = 1e-6
+_HUGE_REWARD = 2.0 ** 500  # above: a group's float64 sums of squares could overflow (group_advantages rescales)
 #: Correction kinds of :class:`Correction` (the CLI's ``--correction`` choices).
 CORRECTIONS = ("none", "is", "tis", "mis")
 #: Ratio modes of :class:`LossConfig` (the CLI's ``--ratio`` choices).
@@ -145,18 +147,28 @@ def group_advantages(
     n_groups = int(inv.max()) + 1
     counts = torch.bincount(inv, minlength=n_groups).to(torch.float64)
     zeros = torch.zeros(n_groups, dtype=torch.float64, device=r64.device)
-    mean = zeros.index_add(0, inv, r64) / counts
-    centered = r64 - mean[inv]
     gmax = zeros.scatter_reduce(0, inv, r64, reduce="amax", include_self=False)
     gmin = zeros.scatter_reduce(0, inv, r64, reduce="amin", include_self=False)
     equal = (gmax == gmin)[inv]
+    # Huge finite rewards (|R| > 2^500): the group sums, R - mean and the squares would overflow float64
+    # (inf / inf = NaN, or a silent 0); such groups are computed on R * 2^-e (exact), with eps scaled
+    # alike, which gives the same advantages. Other groups (every float32 reward) are not touched.
+    gabs = torch.maximum(gmax.abs(), gmin.abs())
+    big = gabs > _HUGE_REWARD
+    unit = torch.ones_like(gabs)
+    if bool(big.any()):
+        expo = torch.frexp(torch.where(big, gabs, unit)).exponent.to(torch.float64) - 2
+        unit = torch.where(big, torch.exp2(-expo), unit)
+        r64 = r64 * unit[inv]
+    mean = zeros.index_add(0, inv, r64) / counts
+    centered = r64 - mean[inv]
     if scale:
         ss = zeros.index_add(0, inv, centered * centered)
         dof = counts - 1 if std == "sample" else counts
         sd = torch.sqrt(ss / dof.clamp(min=1))  # singleton groups: never used (equal -> 0)
-        adv = centered / (sd[inv] + eps)
+        adv = centered / (sd[inv] + eps * unit[inv]) if bool(big.any()) else centered / (sd[inv] + eps)
     else:
-        adv = centered
+        adv = centered / unit[inv] if bool(big.any()) else centered
     adv = torch.where(equal, torch.zeros_like(adv), adv)
     return adv.to(out_dtype).to(r.device)
 
@@ -286,6 +298,8 @@ def _masked_stat(x: torch.Tensor, sel: torch.Tensor, how: str) -> float:
     if not bool(sel.any()):
         return float("nan")
     v = x[sel]
+    if how == "mean" and pow2_exponent(float(v.abs().max()), v.numel()):  # huge finite values: rescaled sum
+        return stable_mean(v, v.numel())
     return float({"mean": v.mean, "min": v.min, "max": v.max}[how]())
 
 
@@ -451,7 +465,7 @@ def grpo_loss(
             "c_mean": _masked_stat(c64, ok, "mean"),
             "c_min": _masked_stat(c64, ok, "min"),
             "c_max": _masked_stat(c64, ok, "max"),
-            "cbar_mean": float(c_bar.double().sum()) / den,
+            "cbar_mean": stable_mean(c_bar.double(), den),
             "tis_truncated_frac": float((ok & affected).sum()) / den if cfg.correction.kind == "tis" else 0.0,
             "mis_masked_frac": float((ok & affected).sum()) / den if cfg.correction.kind == "mis" else 0.0,
         }

@@ -93,10 +93,10 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("long runs (checkpoint / resume)")
     g.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="save the run's state to DIR/<recipe>.pt at the end of this command (and every --checkpoint-every steps)")
+                   help="save the run's state to DIR/<recipe>.ckpt at the end of this command (and every --checkpoint-every steps)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="also save every N steps (0: only at the end)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint-dir/<recipe>.pt where it exists (same flags; --steps is the run's total)")
+                   help="continue from --checkpoint-dir/<recipe>.ckpt where it exists (same flags; --steps is the run's total)")
     g.add_argument("--segment-steps", type=_pos_int, default=None,
                    help="run at most N steps in this command (chain commands with --resume)")
 
@@ -164,6 +164,14 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--eval-max-new-tokens", type=_pos_int, default=D.eval_max_new_tokens)
     g.add_argument("--eval-temperature", type=_nonneg_float, default=D.eval_temperature, help="0 = greedy")
     g.add_argument("--ess-cap", type=_pos_float, default=D.ess_cap)
+
+    g = ap.add_argument_group("calibration (static RAC channels / activation scales)")
+    from qpass.apps.calibrate import add_calibration_arg
+
+    add_calibration_arg(g, "also turns on the per-step calib/ staleness report")
+    g.add_argument("--recalibrate", action="store_true", default=D.recalibrate,
+                   help="re-calibrate the rollout's static constants from the new weights after every weight sync "
+                        "(on the calibration's own tokens; needs --calibration)")
     return ap
 
 
@@ -251,6 +259,7 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
             diag_every=a.diag_every, eval_every=a.eval_every if a.n_eval else 0, eval_prompts=min(a.eval_prompts, a.n_eval),
             eval_max_new_tokens=a.eval_max_new_tokens, eval_temperature=a.eval_temperature, ess_cap=a.ess_cap,
             initial_check=not a.no_initial_check, max_time_s=max_time_s, cuda_graphs=a.cuda_graphs,
+            recalibrate=a.recalibrate,
         )
     except (ValueError, TypeError) as exc:
         from qpass.apps.validate import flag_message
@@ -267,9 +276,10 @@ def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
 
 
 def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: Any, dest: Path, steps: int,
-             max_time_s: float | None, argv: Sequence[str], shadow: Any = None) -> dict[str, Any]:
+             max_time_s: float | None, argv: Sequence[str], shadow: Any = None, calibration: Any = None) -> dict[str, Any]:
     """Train one recipe into ``dest`` (atomically), resuming from / saving to ``--checkpoint-dir``.
     Returns the summary."""
+    from qpass.apps.grpo.checkpoint import checkpoint_path, legacy_path
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
@@ -282,13 +292,14 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     try:
         with out_dir as tmp:
             t0 = time.perf_counter()
-            learner, rollout = pipe.build(recipe)
+            learner, rollout = pipe.build(recipe, calibration=calibration)
             build_s = time.perf_counter() - t0
             config = {
                 "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
                 "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
                 "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "template": a.template, "reward": a.reward,
                 "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
+                "calibration": calibration.summary() if calibration is not None else None,
             }
             write_json_atomic(tmp / "config.json", config)
             write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
@@ -307,9 +318,15 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                                       shadow=shadow if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
                                       template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng,
-                                      answer_fn=first_answer_reward if a.reward == "first" else None)
-                ckpt = a.checkpoint_dir / f"{recipe.name}.pt" if a.checkpoint_dir is not None else None
+                                      answer_fn=first_answer_reward if a.reward == "first" else None,
+                                      calibration=calibration,
+                                      calibration_model=_calibration_model(pipe) if cfg.recalibrate else None)
+                ckpt = checkpoint_path(a.checkpoint_dir, recipe.name) if a.checkpoint_dir is not None else None
                 resumed_from = 0
+                if a.resume and ckpt is not None and not ckpt.exists() and legacy_path(ckpt).is_file():
+                    raise CliError(f"{recipe.name}: {legacy_path(ckpt)} is a checkpoint of an older qpass (a pickle, which qpass "
+                                   "does not load: it can run code); convert it with `python -m qpass.apps.grpo.checkpoint "
+                                   f"convert {legacy_path(ckpt)}` (reads plain data only), or delete it to start over")
                 if a.resume and ckpt is not None and ckpt.exists():
                     resumed_from = trainer.load_checkpoint(ckpt)
                     print(f"qpass grpo: {recipe.name}: resumed at step {resumed_from} from {ckpt}", file=sys.stderr)
@@ -332,7 +349,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
             last = rows[-1] if rows else {}
             keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
                     "clip/frac", "clip/frac_pos", "clip/frac_neg", "reward/mean", "eval/accuracy", "parity/fp_ok",
-                    "parity/bitexact_ok", "vis/code_frac")
+                    "parity/bitexact_ok", "vis/code_frac", "calib/amax_ratio_max", "calib/amax_ratio_median")
             summary = {
                 "recipe": recipe.name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
                 "resumed_from_step": resumed_from, "steps_this_command": len(res.rows), "checkpoint": str(ckpt) if ckpt else None,
@@ -408,6 +425,13 @@ def _vllm_engine(a: argparse.Namespace, pipe: Any, rollout: Any) -> Any:
                         max_len=int(cap.max_len), seed=a.seed)
 
 
+def _calibration_model(pipe: Any) -> Any:
+    """A private copy of the unquantized model for ``--recalibrate`` (its weights get overwritten)."""
+    import copy
+
+    return copy.deepcopy(pipe.loaded.model).eval()
+
+
 def _mean(xs: list[Any]) -> float | None:
     v = [float(x) for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
     return sum(v) / len(v) if v else None
@@ -449,6 +473,16 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             check_grpo_args(a)
         except QpassError as exc:
             raise CliError(str(exc)) from None
+        if a.recalibrate and a.calibration is None:
+            raise CliError("--recalibrate needs --calibration CAL (its prompts are what it re-calibrates on)")
+        calibration = None
+        if a.calibration is not None:  # verified before the model load (its model's sha256 after it)
+            from qpass.apps.calibrate import load_for_model
+
+            try:
+                calibration = load_for_model(a.calibration, None)
+            except QpassError as exc:
+                raise CliError(str(exc)) from None
         if a.device == "cuda":
             import torch
 
@@ -495,6 +529,11 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             a.template = KINDS[task.cfg.kind].template
         lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
         _check_learner_model(a, lm.model.config)
+        if calibration is not None:
+            try:
+                calibration.check_model(lm.model)
+            except QpassError as exc:
+                raise CliError(f"--calibration: {exc}") from None
         need = _max_prompt_len(lm.tokenizer, task, TEMPLATES[a.template]) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
         max_len = a.max_len or int(math.ceil(need / 16) * 16)
         if max_len < need:
@@ -525,7 +564,7 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
                     budget = share if budget is None else min(budget, share)
                 try:
                     summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list,
-                                                      shadow)
+                                                      shadow, calibration)
                     s = summaries[recipe.name]
                     print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
                           f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",

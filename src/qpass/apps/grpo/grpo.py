@@ -58,6 +58,14 @@ Row keys (``null`` = no data, e.g. no valid token):
 * ``parity/...``: sync counts, three-way fingerprint check, full bit-exact check when it ran;
 * ``layerwise/...`` (diagnostic steps): mean/max relative input mismatch over linear sites;
 * ``eval/...`` (eval steps): held-out exact-answer accuracy and its binomial standard error;
+* ``calib/...`` (with a calibration, ``qpass grpo --calibration CAL``): how stale the calibrated
+  activation scales are — per site the amax the rollout graph's input saw while sampling this step
+  (:mod:`qpass.quant.observe`) over the calibrated group amax in effect
+  (:func:`qpass.calibration.run.staleness`): ``calib/amax_ratio_{max,median,min}``, ``calib/sites``,
+  ``calib/sites_over`` (ratio > 1: a static scale saturates there), ``calib/worst_site``; with
+  ``recalibrate`` also ``calib/recalibrated``, ``calib/amax_change_max`` (max |new/old - 1| of the
+  static sites' amax) and ``calib/rac_channels_changed`` (fraction of static RAC channel slots that
+  changed) of the re-calibration after this step's weight sync, ``time/recalibrate_s``;
 * ``reward/...``, ``adv/...``, ``resp/...``, ``entropy/token_mean`` (of the proximal policy's
   sampling distribution at loss tokens), ``rollout/tokens_per_s``, ``time/...``.
 """
@@ -146,6 +154,10 @@ class GRPOConfig(pydantic.BaseModel):
         cuda_graphs: the built-in rollout engine's decode step under CUDA graphs: ``"auto"`` (on a
             CUDA device, falling back to eager with the reason logged if capture fails), ``"on"``
             (capture failure is an error), ``"off"``. Ignored on CPU.
+        recalibrate: after every weight sync, re-calibrate the rollout graph's static constants
+            (``act_amax`` of static activation scales, static RAC channels) from the new master
+            weights on the calibration's own tokens (:func:`qpass.calibration.run.recalibrate`);
+            needs the trainer's ``calibration`` and ``calibration_model``.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
@@ -181,6 +193,7 @@ class GRPOConfig(pydantic.BaseModel):
     initial_check: bool = True
     max_time_s: float | None = pydantic.Field(None, gt=0)
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    recalibrate: bool = False
 
     @pydantic.field_validator("loss", mode="before")
     @classmethod
@@ -349,13 +362,18 @@ class GRPOTrainer:
             (:func:`qpass.parity.served.check_learner_bytes`). The optimizer comes from the
             engine's ``make_optimizer(MasterOptimizer, ...)`` when it has one (a sharded learner
             steps on every rank). ``loss.beta > 0`` is refused (no reference policy for it).
+        calibration: the :class:`qpass.calibration.record.Calibration` the rollout was built with
+            (None: none); turns on the ``calib/`` staleness keys.
+        calibration_model: an unquantized HF model (a private copy: its weights are overwritten
+            with the masters) that ``cfg.recalibrate`` runs the calibration tokens through.
     Attributes:
         quant_reuse: the :class:`qpass.quant.reuse.ReuseStore` the step's weight quantizations share
             (cleared after every step; replace it by ``ReuseStore(enabled=False)`` to compute every
             quantization, e.g. for an A/B measurement: the results are the same bits).
     Raises:
         ValueError: bad graph kinds, no tokenizer ids, ``cfg.shadow`` without ``shadow``,
-            ``minibatches`` larger than the number of micro-batches, or eval problems missing.
+            ``minibatches`` larger than the number of micro-batches, eval problems missing, or
+            ``cfg.recalibrate`` without ``calibration`` and ``calibration_model``.
     """
 
     def __init__(
@@ -376,9 +394,17 @@ class GRPOTrainer:
         learner_engine: Any = None,
         rollout_engine: Any = None,
         answer_fn: RewardFn | None = None,
+        calibration: Any = None,
+        calibration_model: torch.nn.Module | None = None,
     ) -> None:
         from qpass.runtime.engine import as_rollout_engine, make_learner_engine, make_rollout_engine
 
+        if cfg.recalibrate and (calibration is None or calibration_model is None):
+            raise ValueError("GRPOConfig.recalibrate needs the calibration the rollout was built with and a calibration "
+                             "model (qpass grpo --recalibrate needs --calibration CAL)")
+        self.calibration, self.calibration_model = calibration, calibration_model
+        self._calib_amax: dict[str, torch.Tensor] = {}
+        self._recalibrated_since_load = False
         self.cfg = cfg
         self.learner_qg, self.rollout_qg = learner, rollout
         self.tokenizer = tokenizer
@@ -447,6 +473,11 @@ class GRPOTrainer:
             self._eval_set = ([p.meta for p in probs], self._encode(probs))
         probe_src = list(task.eval[: self.ro.batch_size]) or list(task.train[: self.ro.batch_size])
         self._probe = prompt_batch(self._encode(probe_src), self.ro.batch_size, pad_token_id=self.pad, device=self.ro.device)
+        if calibration is not None:
+            from qpass.calibration.run import graph_constants
+
+            self._calib_amax = {s: calibration.group_amax(s) for s in calibration.amax if s in rollout.sites}
+            self._calib_amax.update(graph_constants(rollout)[0])  # what the static sites quantize with
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -705,7 +736,14 @@ class GRPOTrainer:
         prompts = self._encode(problems)
         rows = [ids for ids in prompts for _ in range(g)]
         metas = [p.meta for p in problems for _ in range(g)]
-        exp, t_roll = self._sample(rows, s)
+        if self.calibration is not None:
+            from qpass.quant.observe import observe_input_amax
+
+            with observe_input_amax() as tape:
+                exp, t_roll = self._sample(rows, s)
+            row.update(self._staleness(tape))
+        else:
+            exp, t_roll = self._sample(rows, s)
         n_sampled = int(exp.sampled_mask.sum())
         row.update({"time/rollout_s": t_roll, "rollout/n_tokens": n_sampled,
                     "rollout/tokens_per_s": n_sampled / t_roll if t_roll > 0 else float("nan"),
@@ -807,8 +845,10 @@ class GRPOTrainer:
                 failures.append(f"served bytes vs exported weights: {sv['parity/served_mismatches'][:3]}")
             if not sv.get("parity/learner_bytes_ok", True):
                 failures.append(f"served bytes vs learner fake-quant bytes: {sv['parity/learner_bytes_mismatches'][:3]}")
-        del masters
         row["time/verify_s"] = time.perf_counter() - t0
+        if cfg.recalibrate:
+            row.update(self._recalibrate(masters))
+        del masters
 
         # update visibility
         t0 = time.perf_counter()
@@ -832,6 +872,27 @@ class GRPOTrainer:
         if failures:
             self._parity_failure(f"step {s}: " + "; ".join(failures))
         return row
+
+    def _staleness(self, tape: Any) -> dict[str, Any]:
+        """The ``calib/`` staleness keys of one sampling (module docstring)."""
+        from qpass.calibration.run import staleness
+
+        st = staleness(tape.amax, self._calib_amax)
+        return {"calib/sites": st["sites"], "calib/amax_ratio_max": st["ratio_max"], "calib/amax_ratio_median": st["ratio_median"],
+                "calib/amax_ratio_min": st["ratio_min"], "calib/sites_over": st["sites_over"], "calib/worst_site": st["worst_site"]}
+
+    def _recalibrate(self, masters: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Re-calibrate the rollout graph's static constants from ``masters`` (``cfg.recalibrate``)."""
+        from qpass.calibration.run import graph_constants, load_masters, recalibrate
+
+        t0 = time.perf_counter()
+        load_masters(self.calibration_model, masters)
+        rep = recalibrate(self.rollout_qg, self.calibration_model, self.calibration.token_ids)
+        self._calib_amax = {s: a for s, a in rep["group_amax"].items()}
+        self._calib_amax.update(graph_constants(self.rollout_qg)[0])
+        self._recalibrated_since_load = True
+        return {"calib/recalibrated": True, "calib/amax_change_max": rep["amax_change_max"],
+                "calib/rac_channels_changed": rep["rac_channels_changed"], "time/recalibrate_s": time.perf_counter() - t0}
 
     def _sync_engine(self, masters: dict[str, torch.Tensor], row: dict[str, Any]) -> str | None:
         """Update the live rollout engine from ``masters`` and compare the bytes it serves with qpass's
@@ -890,6 +951,8 @@ class GRPOTrainer:
         budget = self.cfg.max_time_s
         if self.initial is None:
             self.initial = self.initial_checks()
+        if self.cfg.recalibrate and self.step_idx > 0 and not self._recalibrated_since_load:
+            self._recalibrate(self.le.export_weights())  # resumed: what the last step's re-calibration had produced
         initial = self.initial
         rows: list[dict[str, Any]] = []
         stop = "completed" if n == remaining else "segment"

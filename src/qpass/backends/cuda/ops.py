@@ -12,7 +12,8 @@ kernel computes it):
   ``S_dec_R · S_dec_W``).
 
 Not routed (Triton runs them): fp32 activations, ``gathered`` RAC, ``token`` selection, K not a
-multiple of 32, misaligned inputs.
+multiple of 32, misaligned inputs, a static (calibrated) activation scale (which the Triton kernel
+refuses by name).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def routable(call) -> bool:
     if k % 32 or x.stride(-1) != 1:
         return False
     if call.rac is not None and (call.rac.mode != "masked" or call.rac.selection == "token"):
+        return False
+    if call.static_act:  # a calibrated activation scale: the activation kernels compute the input's amax
         return False
     return True
 

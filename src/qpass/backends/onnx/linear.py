@@ -122,6 +122,9 @@ def _nvfp4_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Ten
     p = rollout_pass(("w4a4_lower", "w4a16_lower"))
     if p is None:
         raise QpassError(f"ONNX export: no w4a4_lower/w4a16_lower pass of {source} targets NVFP4 site {site}")
+    if getattr(p.options, "act_scale", "dynamic") == "static":
+        raise QpassError(f"ONNX export: site {site} uses a static (calibrated) activation scale ({source}); the ONNX "
+                         "emitter quantizes activations dynamically")
     act = nvfp4_act_spec_of(p.options.act, site)
     rp = rollout_pass(("residual_compensation",)) if act is not None else None
     rac = None if rp is None else RACConfig(rp.options.ratio, rp.options.mode, rp.options.selection)
@@ -143,6 +146,9 @@ def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> 
         return Operands(wf, xf)
     if not isinstance(s.act, NVFP4Spec) or s.act.role != "activation":
         raise QpassError(f"ONNX export: site {s.site} has unknown NVFP4 activation mode {s.act!r}")
+    if s.act.global_source != "dynamic":
+        raise QpassError(f"ONNX export: site {s.site} has NVFP4 activation mode {s.act_label!r}, which the ONNX emitter does not "
+                         "implement (dynamic per-tensor or per-token scales only)")
     per_token = s.act.global_scope == "per_token"
     lim = act_operand_limit(_ONNX_TO_TORCH.get(elem_type, torch.float32))
     if s.rac is not None and (s.rac.selection == "static" or s.rac.num_channels(k) > 0):

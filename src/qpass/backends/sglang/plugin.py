@@ -8,11 +8,18 @@
 
   - ``create_weights``: the ``modelopt_fp4`` parameters of :mod:`.contract` (same names, dtypes,
     shapes and SGLang parameter classes), so ModelOpt and qpass checkpoints load through SGLang's
-    own loaders (including TP sharding of the packed tensors and per-shard global scales);
-  - ``process_weights_after_loading`` (:func:`finish_loading`): refuses, naming the layer, a scale
-    that was never loaded (the scales start as a NaN sentinel), NaN block scales, and fused shards
-    whose ``weight_scale_2`` differ (qpass shares one global scale per group); binds the decode
-    global ``layer.qpass_s_dec``. It never repacks, so it is idempotent;
+    own loaders (including TP sharding of the packed tensors and per-shard global scales); each
+    loader is wrapped (:func:`qpass.checkpoint.validate.checked_loader`, the vLLM plugin's too):
+    dtype / shape checked, every (parameter, shard) loaded recorded;
+  - ``process_weights_after_loading``: :func:`qpass.checkpoint.validate.check_all_loaded` (a load
+    or update that brought some parameters must bring ``weight``, ``weight_scale`` and
+    ``weight_scale_2`` of every shard: new codes without their scales are refused; a repeat call
+    with nothing loaded passes), then :func:`finish_loading`: refuses, naming the layer, a scale
+    that was never loaded (the scales start as a NaN sentinel), the scale bytes
+    :mod:`qpass.checkpoint.validate` refuses (NaN, sign bit, not fitting their codes, a global
+    scale not finite / not > 0 / too large) and fused shards whose ``weight_scale_2`` differ
+    (qpass shares one global scale per group); binds the decode global ``layer.qpass_s_dec``. It
+    never repacks, so it is idempotent;
     ``restore_weights_before_loading`` (:func:`begin_loading`, the start of an RL weight-update
     session) re-poisons the scales, so an update that carries codes without scales is refused
     rather than served with stale scales;
@@ -36,6 +43,7 @@ import torch
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.checkpoint.linear import activation_for_row_parallel, begin_loading, finish_loading, served_linear
 from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs, make_tensor
+from qpass.checkpoint.validate import check_all_loaded, checked_loader, init_load_record
 from qpass.errors import QuantizationError
 
 
@@ -76,22 +84,20 @@ def plugin_classes() -> tuple[type, type]:
         def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                            input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
             weight_loader = extra_weight_attrs.get("weight_loader")
+            init_load_record(layer, self.prefix, output_partition_sizes, k_sharded=input_size_per_partition != input_size)
             for p in linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix):
                 cls = param_classes[p.kind]
-                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": weight_loader}
+                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": checked_loader(layer, p.name, weight_loader)}
                 if p.kind == "ModelWeightParameter":
                     kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
                 param = cls(**kw)
                 if p.scalar_to_array:
                     param.needs_scalar_to_array = True
                 layer.register_parameter(p.name, param)
-            layer.logical_widths = list(output_partition_sizes)
             layer.params_dtype = params_dtype
             layer.quant_config = self.quant_config
             layer.input_size_per_partition = input_size_per_partition
             layer.output_size_per_partition = sum(output_partition_sizes)
-            layer.qpass_site = self.prefix
-            layer.qpass_k_sharded = input_size_per_partition != input_size
             if layer.qpass_k_sharded and self.rac is not None:
                 raise NotImplementedError(
                     f"{METHOD_NAME}: layer {self.prefix} is row-parallel (K split {input_size} -> {input_size_per_partition}) "
@@ -99,6 +105,9 @@ def plugin_classes() -> tuple[type, type]:
                 )
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            # a (re)load must bring every parameter of every shard (a partial update with codes but no
+            # scales is refused, as in the vLLM plugin); a repeat call with nothing loaded is idempotent
+            check_all_loaded(layer, self.prefix, idle_ok=True)
             finish_loading(layer, self.prefix)
 
         def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:

@@ -131,8 +131,15 @@ def nvfp4_linear_triton(call, *, decode: str | None = None, accumulation: str | 
             the GEMM's second segment, so it never takes the GEMV.
     Returns:
         ``[..., N]`` in ``call.out_dtype``.
+    Raises:
+        KernelMissingError: a static (calibrated) activation scale (``call.static_act``): this kernel
+            computes the activation amax of each input; the reference kernel serves static scales.
     Source: ``qpass.quant.linear.nvfp4_linear_reference``.
     """
+    if call.static_act:
+        from qpass.ops.linear import static_act_kernel_check
+
+        static_act_kernel_check("triton", call.site)
     x, w = call.x, call.weight
     k = x.shape[-1]
     codes, scales, sdec = _weight_parts(w.codes, w.scales, w.s_dec, k, call.site)

@@ -13,12 +13,14 @@ never needs vLLM).
     table the SGLang plugin uses) as vLLM ``ModelWeightParameter`` / ``PerTensorScaleParameter``,
     so ``qpass``/``modelopt`` checkpoints load through vLLM's own fused-shard loaders (q/k/v ->
     ``qkv_proj``, gate/up -> ``gate_up_proj``, one ``weight_scale_2`` slot per shard). Each
-    parameter's loader is wrapped (:func:`_checked_loader`): a checkpoint tensor of the wrong dtype
-    or shape is refused naming the layer, and every (parameter, shard) loaded is recorded;
+    parameter's loader is wrapped (:func:`qpass.checkpoint.validate.checked_loader`, shared with the
+    SGLang plugin): a checkpoint tensor of the wrong dtype or shape is refused naming the layer, and
+    every (parameter, shard) loaded is recorded;
   - ``process_weights_after_loading``: refuses a parameter shard that was not loaded in this
-    (re)load (vLLM's in-place reload re-allocates parameters uninitialised, so the NaN sentinel
-    alone cannot see it), then :func:`qpass.checkpoint.linear.finish_loading` (NaN / never-loaded
-    scales, different globals per fused shard) binds ``qpass_s_dec`` and, on CPU, the decoded
+    (re)load (:func:`qpass.checkpoint.validate.check_all_loaded`; vLLM's in-place reload re-allocates
+    parameters uninitialised, so the NaN sentinel alone cannot see it), then
+    :func:`qpass.checkpoint.linear.finish_loading` (the scale-byte checks of
+    :mod:`qpass.checkpoint.validate`) binds ``qpass_s_dec`` and, on CPU, the decoded
     weight ``qpass_w_hat`` as persistent buffers (vLLM's reload copies them back in place);
   - ``apply``: :func:`qpass.checkpoint.linear.served_linear` — qpass's ops (W4A16, W4A4 per
     tensor / per token, RAC), the reference functions on CPU, ``torch.ops.qpass.nvfp4_linear`` with
@@ -51,82 +53,10 @@ import torch
 from qpass.checkpoint.linear import finish_act_only_loading, finish_loading, served_act_linear, served_linear
 from qpass.checkpoint.params import act_only_param_specs, linear_param_specs, make_tensor
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
+from qpass.checkpoint.validate import ACT_ONLY_CHECKED, CHECKED, check_all_loaded, checked_loader, init_load_record
 from qpass.errors import QuantizationError
 
 log = logging.getLogger(__name__)
-CHECKED = ("weight", "weight_scale", "weight_scale_2")  # must be loaded for every shard in every (re)load
-ACT_ONLY_CHECKED = ("weight",)  # the same for an activation-only layer
-_QKV = {"q": 0, "k": 1, "v": 2}
-
-
-def _shard_index(shard_id: Any) -> int | None:
-    if shard_id is None or isinstance(shard_id, tuple):
-        return None
-    return _QKV[shard_id] if isinstance(shard_id, str) else int(shard_id)
-
-
-def _expected_rows(layer: torch.nn.Module, idx: int | None) -> int | None:
-    """Checkpoint rows of shard ``idx`` (None: the whole layer) before vLLM's TP narrowing."""
-    widths = list(getattr(layer, "logical_widths", []))
-    if not widths:
-        return None
-    tp = int(getattr(layer, "tp_size", 1) or 1)
-    if getattr(layer, "qpass_k_sharded", False):
-        tp = 1  # row-parallel: the output dim is not split
-    replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
-    if idx is None:
-        return sum(widths) * tp if replicas == 1 else None
-    rows = widths[idx] * tp
-    if idx in (1, 2) and len(widths) == 3 and replicas > 1:
-        rows //= replicas
-    return rows
-
-
-def _checked_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
-    """Wrap a vLLM weight loader: refuse a tensor of the wrong dtype or shape (naming the layer,
-    parameter and shard), and record ``(name, shard)`` in ``layer.qpass_loaded``."""
-
-    @functools.wraps(loader)
-    def qpass_checked_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        shard = args[0] if args else kwargs.get("loaded_shard_id")
-        idx = _shard_index(shard)
-        where = f"{METHOD_NAME}: layer {layer.qpass_site}: checkpoint tensor {name}" + (f" (shard {shard})" if shard is not None else "")
-        if loaded_weight.dtype != param.dtype:
-            raise QuantizationError(f"{where} has dtype {loaded_weight.dtype}, expected {param.dtype}")
-        if name in ("weight", "weight_scale"):
-            if loaded_weight.dim() != 2:
-                cols = "K" if getattr(layer, "qpass_act_only", False) else ("K/2" if name == "weight" else "K/16")
-                raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected a 2-D [N, {cols}] tensor")
-            k_full = param.shape[1] * (int(getattr(layer, "tp_size", 1) or 1) if layer.qpass_k_sharded else 1)
-            rows = _expected_rows(layer, idx)
-            want = (rows if rows is not None else loaded_weight.shape[0], k_full)
-            if tuple(loaded_weight.shape) != want:
-                raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected {want}")
-        elif loaded_weight.numel() != 1:
-            raise QuantizationError(f"{where} has shape {tuple(loaded_weight.shape)}, expected a scalar (one per shard)")
-        out = loader(param, loaded_weight, *args, **kwargs)
-        layer.qpass_loaded.add((name, idx))
-        return out
-
-    return qpass_checked_loader
-
-
-def check_all_loaded(layer: torch.nn.Module, prefix: str, names: tuple[str, ...] = CHECKED) -> None:
-    """Every parameter of ``names`` (default :data:`CHECKED`; :data:`ACT_ONLY_CHECKED` for an
-    activation-only layer) was loaded for every shard since the last check; resets the record.
-
-    Raises:
-        QuantizationError: names the layer and the missing ``parameter[shard]``.
-    """
-    got = set(layer.qpass_loaded)
-    layer.qpass_loaded.clear()
-    n = len(layer.logical_widths)
-    missing = [f"{name}[{i}]" for name in names for i in range(n) if (name, i) not in got and (name, None) not in got]
-    if missing:
-        raise QuantizationError(f"{METHOD_NAME}: layer {prefix}: {', '.join(missing)} not loaded (missing from the checkpoint "
-                                "or weight update); refusing to serve")
-
-
 def _checked_moe_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
     """Wrap vLLM's FusedMoE weight loader: refuse a checkpoint tensor of the wrong dtype (naming the
     layer, expert and shard), and record ``(name, expert, shard)`` in ``layer.qpass_loaded`` when
@@ -151,12 +81,10 @@ def _checked_moe_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
 
 def _begin_layer(layer: torch.nn.Module, prefix: str, input_size_per_partition: int, input_size: int,
                  output_partition_sizes: list[int]) -> None:
-    """The qpass attributes every linear method's ``create_weights`` sets first: checkpoint site,
-    row-parallel flag (K split over TP ranks), the (parameter, shard) load record, shard widths."""
-    layer.qpass_site = prefix
-    layer.qpass_k_sharded = input_size_per_partition != input_size
-    layer.qpass_loaded = set()
-    layer.logical_widths = list(output_partition_sizes)
+    """The qpass attributes every linear method's ``create_weights`` sets first
+    (:func:`qpass.checkpoint.validate.init_load_record`: checkpoint site, row-parallel flag, the
+    (parameter, shard) load record, shard widths)."""
+    init_load_record(layer, prefix, output_partition_sizes, k_sharded=input_size_per_partition != input_size)
 
 
 def _end_layer(layer: torch.nn.Module, params_dtype: torch.dtype, input_size_per_partition: int,
@@ -204,7 +132,7 @@ def plugin_classes() -> tuple[type, type]:
                     "and has residual compensation, whose channel ranking needs the whole K; use TP=1 for it or drop RAC there"
                 )
             for p in linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix):
-                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": _checked_loader(layer, p.name, weight_loader)}
+                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": checked_loader(layer, p.name, weight_loader)}
                 if p.kind == "ModelWeightParameter":
                     kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
                 layer.register_parameter(p.name, param_classes[p.kind](**kw))
@@ -244,7 +172,7 @@ def plugin_classes() -> tuple[type, type]:
             for p in act_only_param_specs(input_size_per_partition, output_partition_sizes, params_dtype, prefix=self.prefix):
                 layer.register_parameter(p.name, param_classes[p.kind](
                     data=make_tensor(p), input_dim=p.input_dim, output_dim=p.output_dim,
-                    weight_loader=_checked_loader(layer, p.name, weight_loader)))
+                    weight_loader=checked_loader(layer, p.name, weight_loader)))
             _end_layer(layer, params_dtype, input_size_per_partition, output_partition_sizes)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
