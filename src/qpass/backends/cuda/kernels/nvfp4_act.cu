@@ -162,6 +162,22 @@ DEV void store16_bf16(u16* p, const float* b) {  // exact values (<= 6 significa
   q[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
+// One 16-channel block of B_R: X quantized again (x_hat), R = fl(x - x_hat), R quantized with the residual's
+// global scale over all 16 channels (masked mode), then channels outside the mask (bit i of mw) set to 0.
+DEV void residual_block(const xt* __restrict__ xp, const Glob& g, const Glob& gr, u32 mw, float lim,
+                        u16* __restrict__ brp) {
+  float v[16], b[16], xh[16], r[16];
+  load16(xp, v);
+  quant_block(v, g, b, xh, lim);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) r[i] = __fsub_rn(v[i], xh[i]);
+  quant_block(r, gr, b, 0, lim);
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if (!((mw >> i) & 1u)) b[i] = 0.0f;
+  store16_bf16(brp, b);
+}
+
 DEV u32 block_max_u32(u32 v, u32* sm) {
   for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
   const int w = threadIdx.x >> 5;
@@ -451,16 +467,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
     const Glob gr = globals(__uint_as_float(__ldcg(ramax + m)));
     if (c == 0) s_dec_r_out[m] = gr.s_dec;
 #endif
-    load16(x + (size_t)m * sx + 16 * c, v);
-    quant_block(v, g, b, xh, lim);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) r[i] = __fsub_rn(v[i], xh[i]);
-    quant_block(r, gr, b, 0, lim);
-    const u32 mw = __ldg(mask + ((16 * c) >> 5)) >> ((16 * c) & 31);
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      if (!((mw >> i) & 1u)) b[i] = 0.0f;
-    store16_bf16(br + (size_t)m * sbr + 16 * c, b);
+    residual_block(x + (size_t)m * sx + 16 * c, g, gr, __ldg(mask + ((16 * c) >> 5)) >> ((16 * c) & 31), lim,
+                   br + (size_t)m * sbr + 16 * c);
   }
 }
 
@@ -582,16 +590,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     const Glob gr = globals(__uint_as_float(s_ramax[m]));
     if (c == 0) s_dec_r_out[m] = gr.s_dec;
 #endif
-    load16(x + (size_t)m * sx + 16 * c, v);
-    quant_block(v, g, b, xh, lim);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) r[i] = __fsub_rn(v[i], xh[i]);
-    quant_block(r, gr, b, 0, lim);
-    const u32 mw = s_mask[(16 * c) >> 5] >> ((16 * c) & 31);
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      if (!((mw >> i) & 1u)) b[i] = 0.0f;
-    store16_bf16(br + (size_t)m * sbr + 16 * c, b);
+    residual_block(x + (size_t)m * sx + 16 * c, g, gr, s_mask[(16 * c) >> 5] >> ((16 * c) & 31), lim,
+                   br + (size_t)m * sbr + 16 * c);
   }
 #endif
 }

@@ -236,6 +236,47 @@ DEV float half_bits_to_f32(u16 h) {
   return f;
 }
 
+// Y[m, n] = fl(acc · alpha_m) (+ fl(acc2 · alpha2_m)) (+ bias[n]), rounded once to the output type and
+// stored at out[idx]; alpha_m = S_dec_W (ALPHA_KIND 0), fl(S_dec_X · S_dec_W) (1) or fl(S_dec_X[m] · S_dec_W) (2).
+DEV void finish_store(float acc, float acc2, int m, int n, const float* __restrict__ s_dec_x,
+                      const float* __restrict__ s_dec_x2, float sw, const void* __restrict__ bias,
+                      void* __restrict__ out, size_t idx) {
+#if ALPHA_KIND == 0
+  const float alpha = sw;
+#elif ALPHA_KIND == 1
+  const float alpha = __fmul_rn(__ldg(s_dec_x), sw);
+#else
+  const float alpha = __fmul_rn(__ldg(s_dec_x + m), sw);
+#endif
+  float y = __fmul_rn(acc, alpha);
+#if HAS_X2
+#if ALPHA_KIND == 2
+  const float alpha2 = __fmul_rn(__ldg(s_dec_x2 + m), sw);
+#else
+  const float alpha2 = __fmul_rn(__ldg(s_dec_x2), sw);
+#endif
+  y = __fadd_rn(y, __fmul_rn(acc2, alpha2));
+#else
+  (void)acc2;
+  (void)s_dec_x2;
+#endif
+#if HAS_BIAS
+#if OUT_KIND == 2
+  y = __fadd_rn(y, ((const float*)bias)[n]);
+#else
+  y = __fadd_rn(y, half_bits_to_f32(((const u16*)bias)[n]));
+#endif
+#else
+  (void)bias;
+  (void)n;
+#endif
+#if OUT_KIND == 2
+  ((float*)out)[idx] = y;
+#else
+  ((u16*)out)[idx] = f32_to_half_bits(y);
+#endif
+}
+
 // Up to MAX_SEGS weights that multiply the same activations (sibling linears of one input, e.g. q/k/v):
 // segment s owns the row groups [g0, g0 + ceil(n/16)) of the grid and writes output columns
 // [col0, col0 + n); each has its own codes, scales, S_dec_W and bias.
@@ -324,37 +365,15 @@ extern "C" __global__ void __launch_bounds__(NW * 32) nvfp4_mma_gemm(
     float a = red[0][r][m];
 #pragma unroll
     for (int w = 1; w < NW; ++w) a = __fadd_rn(a, red[w][r][m]);
-#if ALPHA_KIND == 0
-    const float alpha = sw;
-#elif ALPHA_KIND == 1
-    const float alpha = __fmul_rn(__ldg(s_dec_x), sw);
-#else
-    const float alpha = __fmul_rn(__ldg(s_dec_x + m), sw);
-#endif
-    float y = __fmul_rn(__fmul_rn(a, 128.0f), alpha);
+    float a2 = 0.0f;
 #if HAS_X2
-    float a2 = red[0][r][M + m];
+    a2 = red[0][r][M + m];
 #pragma unroll
     for (int w = 1; w < NW; ++w) a2 = __fadd_rn(a2, red[w][r][M + m]);
-#if ALPHA_KIND == 2
-    const float alpha2 = __fmul_rn(__ldg(s_dec_x2 + m), sw);
-#else
-    const float alpha2 = __fmul_rn(__ldg(s_dec_x2), sw);
 #endif
-    y = __fadd_rn(y, __fmul_rn(__fmul_rn(a2, 128.0f), alpha2));
-#endif
-#if HAS_BIAS
-#if OUT_KIND == 2
-    y = __fadd_rn(y, ((const float*)bias)[n]);
-#else
-    y = __fadd_rn(y, half_bits_to_f32(((const u16*)bias)[n]));
-#endif
-#endif
-#if OUT_KIND == 2
-    ((float*)out)[(size_t)m * so + col0 + n] = y;
-#else
-    ((u16*)out)[(size_t)m * so + col0 + n] = f32_to_half_bits(y);
-#endif
+    // the 2^-7 of the operand carriers comes back exactly before alpha
+    finish_store(__fmul_rn(a, 128.0f), __fmul_rn(a2, 128.0f), m, n, s_dec_x, s_dec_x2, sw, bias, out,
+                 (size_t)m * so + col0 + n);
   }
 }
 
@@ -370,33 +389,6 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4_epilogue(
   const long total = (long)M * N;
   for (long i = (long)blockIdx.x * 256 + threadIdx.x; i < total; i += (long)gridDim.x * 256) {
     const int m = (int)(i / N), n = (int)(i - (long)m * N);
-#if ALPHA_KIND == 0
-    const float alpha = sw;
-#elif ALPHA_KIND == 1
-    const float alpha = __fmul_rn(__ldg(s_dec_x), sw);
-#else
-    const float alpha = __fmul_rn(__ldg(s_dec_x + m), sw);
-#endif
-    float y = __fmul_rn(acc[i], alpha);
-#if HAS_X2
-#if ALPHA_KIND == 2
-    const float alpha2 = __fmul_rn(__ldg(s_dec_x2 + m), sw);
-#else
-    const float alpha2 = __fmul_rn(__ldg(s_dec_x2), sw);
-#endif
-    y = __fadd_rn(y, __fmul_rn(acc2[i], alpha2));
-#endif
-#if HAS_BIAS
-#if OUT_KIND == 2
-    y = __fadd_rn(y, ((const float*)bias)[n]);
-#else
-    y = __fadd_rn(y, half_bits_to_f32(((const u16*)bias)[n]));
-#endif
-#endif
-#if OUT_KIND == 2
-    ((float*)out)[(size_t)m * so + n] = y;
-#else
-    ((u16*)out)[(size_t)m * so + n] = f32_to_half_bits(y);
-#endif
+    finish_store(acc[i], HAS_X2 ? acc2[i] : 0.0f, m, n, s_dec_x, s_dec_x2, sw, bias, out, (size_t)m * so + n);
   }
 }
