@@ -1,6 +1,6 @@
 """Weight sync learner -> rollout: re-quantize from the current master weights (fresh amax).
 
-SPEC rules 2-3: the rollout receives codes, scale bytes and global scales produced by the one
+SPEC §3 rules 2-3: the rollout receives codes, scale bytes and global scales produced by the one
 reference quantizer from the learner's current weights; it never re-quantizes BF16 weights itself
 and never reuses a stale amax. Unquantized parameters (norms, embeddings, lm_head) are copied.
 """
