@@ -38,6 +38,7 @@ from qpass.checkpoint.formats import CHECKPOINT_FORMATS, GLOBAL_SCALE_RULES, Rol
 from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE
 from qpass.errors import QpassError
 from qpass.jsonio import write_json
+from qpass.progress import phase
 from qpass.quant.rac import RACConfig
 
 log = logging.getLogger(__name__)
@@ -218,13 +219,28 @@ def export_checkpoint(
     if dtype not in DTYPES:
         raise QpassError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
     tdtype = DTYPES[dtype]
-    lm = load_model(model_ref, dtype=tdtype)
-    if masters is not None:
-        record["masters"] = {"file": str(masters), "tensors": _load_masters_into(lm.model, masters)}
-    if apply_dir is None:
-        record["source"] = {"model": model_ref, "recipe": recipe}
-        if recipe is not None and fmt != "plain":
-            sites, site_tensors = _build_rollout(lm, recipe)
+    build = apply_dir is None and recipe is not None and fmt != "plain"
+    with phase(f"export ({fmt})", total=2 + (masters is not None) + build, unit="step") as ph:
+        ph.advance(0, note=f"load {model_ref}")
+        lm = load_model(model_ref, dtype=tdtype)
+        ph.advance(note="model loaded")
+        if masters is not None:
+            record["masters"] = {"file": str(masters), "tensors": _load_masters_into(lm.model, masters)}
+            ph.advance(note="master weights loaded")
+        if apply_dir is None:
+            record["source"] = {"model": model_ref, "recipe": recipe}
+            if build:
+                sites, site_tensors = _build_rollout(lm, recipe)
+                ph.advance(note="rollout built")
+        return _export_write(out, fmt, record, lm, dtype, tdtype, model_ref, sites, site_tensors, apply_dir, masters, force,
+                             calibration_prompts, max_shard_size, global_scale, ph)
+
+
+def _export_write(out: Path, fmt: str, record: dict[str, Any], lm: Any, dtype: str, tdtype: torch.dtype, model_ref: str,
+                  sites: dict[str, RolloutSite], site_tensors: dict[str, torch.Tensor], apply_dir: Path | None,
+                  masters: Path | None, force: bool, calibration_prompts: int, max_shard_size: int | str,
+                  global_scale: str | None, ph: Any) -> dict[str, Any]:
+    """The write step of :func:`export_checkpoint` (calibration, format, files) and what the export carries."""
     record["model"] = {"ref": model_ref, "name": lm.name, "dtype": dtype}
     arithmetic = weight_arithmetic(sites)
     if global_scale is not None and sites and global_scale != arithmetic:
@@ -233,14 +249,61 @@ def export_checkpoint(
             f"cannot carry other global scales than the codes were quantized with. Use a recipe whose weight_qdq and "
             f"w4a4_lower/w4a16_lower set `arithmetic: {global_scale}` (learner and rollout alike, so parity holds)")
     ids = _calibration_ids(lm.tokenizer, calibration_prompts) if fmt != "plain" and any(r.needs_input_scale for r in sites.values()) else None
+    ph.advance(0, note="calibrate, convert and write the files" if ids else "convert and write the files")
     with atomic_dir(out, force=force, marker=RECORD) as tmp:
         summary = write_checkpoint(tmp, fmt, model=lm.model, dtype=tdtype, tokenizer=lm.tokenizer, sites=sites, site_tensors=site_tensors,
                                    calibration_ids=ids, max_shard_size=max_shard_size)
         if "calibration" in summary:
             summary["calibration"]["source"] = f"{calibration_prompts} qpass probe prompts (chat template)"
         record.update(summary, global_scale_convention=GLOBAL_SCALE_RULES[arithmetic] if sites else None)
+        record["carried"] = export_contents(fmt, sites, apply_dir=apply_dir, masters=masters, model_ref=model_ref, dtype=dtype,
+                                            calibration=summary.get("calibration"))
         write_json(tmp / RECORD, record)
+    ph.advance(note="written")
     return record
+
+
+def export_contents(fmt: str, sites: dict[str, RolloutSite], *, apply_dir: Path | None, masters: Path | None, model_ref: str,
+                    dtype: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What an export wrote and what its format could not carry (``qpass_export.json["carried"]``, and
+    the console lines of ``qpass export``).
+
+    Returns ``{"weights": str, "not_carried": [str, ...], "notes": [str, ...]}``: ``weights`` says which
+    tensors the checkpoint's linear weights are (the rollout's NVFP4 bytes, or the unquantized masters —
+    never the learner's fake-quantized weights); ``not_carried`` names each part of the recipe the
+    format drops (empty: nothing); ``notes`` what a reader should know besides.
+    """
+    src = f"{masters}" if masters is not None else f"the model {model_ref!r}"
+    nvfp4 = {s: r for s, r in sites.items() if r.weight == "nvfp4"}
+    act_only = [s for s, r in sites.items() if r.weight == "none"]
+    rac = sorted(s for s, r in sites.items() if r.rac is not None)
+    w4a4 = [s for s, r in nvfp4.items() if r.needs_input_scale]
+    out: list[str] = []
+    notes: list[str] = []
+    if fmt == "plain":
+        weights = (f"unquantized {dtype} master weights from {src} (what the learner trains; NOT the NVFP4 fake-quantized weights "
+                   "its forward computes with, and not the rollout's bytes)")
+        if apply_dir is not None:
+            out.append(f"the recipe's quantization of {apply_dir} (its NVFP4 rollout sites, activation quantization and RAC): "
+                       "--format plain writes no quantization; use --format qpass or modelopt for the rollout's bytes")
+        return {"weights": weights, "not_carried": out, "notes": notes}
+    where = f"{apply_dir}/rollout/weights.safetensors" if apply_dir is not None else "the rollout built from the recipe"
+    weights = (f"{len(nvfp4)} NVFP4 linear(s) as the rollout's bytes from {where} (E2M1 codes, E4M3 block scales, global "
+               f"scale{' S_dec' if fmt != 'compressed-tensors' else ' as S_enc'}); every other tensor (embeddings, norms, "
+               f"lm_head{', activation-only sites' if act_only else ''}) {dtype} from {src}")
+    if fmt in ("modelopt", "compressed-tensors"):
+        if rac:
+            out.append(f"RAC on {len(rac)} site(s) (e.g. {rac[0]}): {fmt} has no residual compensation, so an engine serving "
+                       "this checkpoint runs plain W4A4 there (qpass's rollout does not); use --format qpass to keep it")
+        if w4a4:
+            n = (calibration or {}).get("sequences")
+            out.append(f"dynamic per-tensor activation scales on {len(w4a4)} W4A4 site(s): replaced by a static calibrated "
+                       f"{'input_scale' if fmt == 'modelopt' else 'input_global_scale'}"
+                       + (f" ({n} calibration prompts)" if n else ""))
+    elif w4a4:
+        notes.append(f"the static input_scale of the {len(w4a4)} W4A4 site(s) is written for other loaders; qpass's plugins "
+                     "quantize activations dynamically (as the recipe does) and ignore it")
+    return {"weights": weights, "not_carried": out, "notes": notes}
 
 
 def _build_rollout(lm: Any, recipe_ref: str) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor]]:
@@ -263,22 +326,27 @@ def _build_rollout(lm: Any, recipe_ref: str) -> tuple[dict[str, RolloutSite], di
 
 def build_export_parser(prog: str = "qpass export") -> argparse.ArgumentParser:
     """The ``qpass export`` argument parser."""
-    from qpass.apps.cliutil import add_force, add_threads, add_verbose, pos_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_threads, add_verbose, pos_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (qpass, modelopt, plain ...)")
+    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (formats: "
+                                 + ", ".join(sorted(CHECKPOINT_FORMATS)) + ")", formatter_class=DefaultsHelpFormatter)
     ap.add_argument("src", nargs="?", help="a qpass apply output directory, or a model (default | HF dir | .gguf)")
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (written atomically)")
-    ap.add_argument("--format", default="qpass", choices=sorted(CHECKPOINT_FORMATS), help="checkpoint format (default qpass)")
-    ap.add_argument("--model", help="the model: with --recipe, or overriding the one an apply output's report.json names")
-    ap.add_argument("--recipe", help="recipe name or YAML: export its rollout side built on --model")
+    ap.add_argument("--format", default="qpass", choices=sorted(CHECKPOINT_FORMATS), help="checkpoint format: qpass (qpass's vLLM/SGLang plugins; carries RAC), modelopt (vLLM/SGLang modelopt_fp4: "
+                    "no RAC, static input_scale), compressed-tensors (no RAC), plain (unquantized masters)")
+    ap.add_argument("--model", help="the model: with --recipe, or overriding the one an apply output's report.json names "
+                    "(default: the apply output's model)")
+    ap.add_argument("--recipe", help="recipe name or YAML: export its rollout side built on --model (default: none, the model "
+                    "unquantized)")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype of the unquantized tensors (default: the apply's, else bf16)")
     ap.add_argument("--calibration-prompts", type=pos_int, default=DEFAULT_CALIBRATION_PROMPTS,
-                    help="probe prompts to calibrate the W4A4 input_scale on (default 8)")
+                    help="probe prompts to calibrate the W4A4 input_scale on")
     ap.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE,
-                    help="split model.safetensors into shards + index above this size (e.g. 5GB, 200MB; default 5GB)")
+                    help="split model.safetensors into shards + index above this size (e.g. 5GB, 200MB; default: 5GB)")
     ap.add_argument("--global-scale", choices=sorted(GLOBAL_SCALE_RULES),
                     help="require the weight_scale_2 convention: te_reference = qpass's S_dec = fl(1/fl(2688/amax)), modelopt = "
-                         "ModelOpt's fl(amax/2688) (set by the recipe: `arithmetic: modelopt` on weight_qdq and w4a4_lower)")
+                         "ModelOpt's fl(amax/2688) (set by the recipe: `arithmetic: modelopt` on weight_qdq and w4a4_lower; "
+                         "default: whatever the source's bytes follow, recorded)")
     add_force(ap, RECORD)
     add_threads(ap)
     add_verbose(ap)
@@ -304,11 +372,29 @@ def main_export(argv: list[str] | None = None) -> int:
     a = build_export_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rec = export_checkpoint(a.out, a.format, src=a.src, model=a.model, recipe=a.recipe, dtype=a.dtype, force=a.force,
-                            calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size, global_scale=a.global_scale)
+    from qpass.apps.progress import command_progress
+
+    with command_progress():
+        rec = export_checkpoint(a.out, a.format, src=a.src, model=a.model, recipe=a.recipe, dtype=a.dtype, force=a.force,
+                                calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size,
+                                global_scale=a.global_scale)
     files = rec["files"]
     print(f"qpass export: {a.out} ({a.format}, {rec.get('quantized_sites', 0)} quantized sites, {files['tensors']} tensors, "
           f"{files['total_size'] / 1e6:.1f} MB{', sharded' if files['sharded'] else ''})")
+    carried = rec.get("carried") or {}
+    if carried.get("weights"):
+        print(f"  weights: {carried['weights']}")
+    dropped = carried.get("not_carried")
+    if dropped is not None:
+        print("  not carried: " + ("nothing (the format holds every part of the recipe)" if not dropped else dropped[0]))
+        for line in dropped[1:]:
+            print(f"  not carried: {line}")
+    for line in carried.get("notes", []):
+        print(f"  note: {line}")
+    from qpass.apps.report import output_files
+
+    rows = output_files(Path(a.out))
+    print(f"  wrote {a.out}/ ({len(rows)} files): " + ", ".join(r[0] for r in rows))
     return 0
 
 

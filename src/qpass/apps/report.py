@@ -120,6 +120,7 @@ def markdown(report: dict[str, Any]) -> str:
     """Human-readable summary of a report dict (the same numbers as report.json)."""
     p = report["parity"]
     lines = [f"# qpass apply: {report['recipe']['name']}", "",
+             f"**{report['verdict']['line']}**" if report.get("verdict") else "", "",
              f"Model: {report['model']['name']} ({report['model']['dtype']}, {report['model']['device']}, kernels: {report['kernels']}"
              + (f", effective: {report['kernels_effective']}" if report.get("kernels_effective", report["kernels"]) != report["kernels"] else "")
              + ")", "",
@@ -185,7 +186,7 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
         parity.update(r.fields)
     parity |= {"probe": gopt.model_dump() | {"rollout_batch": bsz, "max_len": max_len},
                "checks": [r.row() for r in results], "problems": [p for r in results for p in r.problems]}
-    return {
+    rep = {
         "qpass_version": __version__,
         "recipe": recipe.to_json() | {"text": recipe.text},
         "model": {"name": lm.name, "source": lm.source, "dtype": o.dtype, "device": o.device, "ref": o.model},
@@ -205,6 +206,70 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
         "machine": machine_record(o.device),
         "ok": not any(r.ok is False for r in results),
     }
+    rep["verdict"] = verdict(rep)
+    return rep
+
+
+# what each file of an apply output is (``qpass apply`` lists every file it wrote with these)
+OUTPUT_FILES: dict[str, str] = {
+    "report.json": "every number: parity, log-prob gap and floor, sites, passes, machine, timings, sha256 of each file",
+    "report.md": "the same report, readable",
+    "learner/model.safetensors": "learner state: the BF16 master weights (HF names; the learner fake-quantizes them on the fly)",
+    "rollout/weights.safetensors": "rollout linears: packed E2M1 codes, E4M3 block scales, S_dec, S_enc (ModelOpt names)",
+    "rollout/hf_quant_config.json": "per-site quantization of the rollout (groups, activation mode, RAC)",
+    "rollout/recipe.yaml": "the recipe that was applied",
+    "activation_mismatch.png": "plot: per-site input mismatch, rollout prefill vs learner",
+    "residual_heatmap.png": "plot: NVFP4 activation residual of one RAC (or W4A4) site, compensated channels marked",
+    "logprob_gap_hist.png": "plot: log-prob gap per token, recipe vs BF16 floor",
+}
+
+
+def verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """The one-line verdict of an apply report, the log-prob gap in units of the BF16 engine-drift floor.
+
+    Returns ``{"ok": bool, "gap_over_floor": float | None, "line": str}``; ``gap_over_floor`` is
+    ``mean|d|(recipe) / mean|d|(bf16 floor)`` (SPEC §4 ``G_abs``, token mean), None when either was not
+    measured or the floor is 0.
+    """
+    p = report["parity"]
+    ok = bool(report["ok"])
+    parts: list[str] = []
+    if p.get("structural_ok") is False or p.get("weights_bitexact") is False:
+        n = len(p.get("mismatched_groups") or [])
+        parts.append("learner and rollout do NOT share one quantizer"
+                     + (f" ({n} fused group(s) differ bit-wise)" if n else " (structural parity failed)"))
+    elif p.get("weights_bitexact"):
+        groups = next((c.get("detail", "") for c in p.get("checks", []) if c["check"] == "weights_bitexact"), "")
+        parts.append("learner and rollout share the NVFP4 weight quantizer bit for bit" + (f" ({groups})" if groups else ""))
+    elif p.get("structural_ok"):
+        parts.append("structural parity holds (no bit-level weight check: the learner has no NVFP4 weight QDQ)")
+    g, f = p.get("logprob_gap"), p.get("floor_logprob_gap")
+    ratio = None
+    if g:
+        gated = {c["check"]: c["ok"] for c in p.get("checks", [])}.get("logprob_gap")
+        gate = " (not gated: the recipe sets no max_abs_gap)" if gated is None else (" (within the recipe's max_abs_gap)" if gated
+                                                                                      else " (ABOVE the recipe's max_abs_gap)")
+        if f and f.get("mean_abs"):
+            ratio = g["mean_abs"] / f["mean_abs"]
+            parts.append(f"rollout/learner log-prob gap mean|d| {g['mean_abs']:.4f} = {ratio:.1f}x the BF16 engine-drift floor "
+                         f"({f['mean_abs']:.4f}){gate}")
+        elif f:
+            parts.append(f"rollout/learner log-prob gap mean|d| {g['mean_abs']:.4f}; the BF16 engine-drift floor is exactly 0 "
+                         f"on this probe (no ratio){gate}")
+        else:
+            parts.append(f"rollout/learner log-prob gap mean|d| {g['mean_abs']:.4f} (no BF16 floor measured: --no-floor){gate}")
+    else:
+        parts.append("log-prob gap not measured (--no-behavioral)")
+    return {"ok": ok, "gap_over_floor": ratio, "line": ("PASS: " if ok else "FAIL: ") + "; ".join(parts)}
+
+
+def output_files(out: Path) -> list[tuple[str, int, str]]:
+    """Every file under the apply output ``out``: ``(relative path, bytes, what it is)``, sorted."""
+    rows = []
+    for f in sorted(x for x in Path(out).rglob("*") if x.is_file()):
+        rel = f.relative_to(out).as_posix()
+        rows.append((rel, f.stat().st_size, OUTPUT_FILES.get(rel, "plot" if rel.endswith(".png") else "")))
+    return rows
 
 
 def write_report(tmp: Path, report: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from qpass.graph.opargs import args_in_schema_order
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.progress import track
 from qpass.quant.nvfp4 import nvfp4_act_spec
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
@@ -68,7 +69,7 @@ class LinearLower(Pass):
         groups = grouped(ok) if wspec.has_global_scale else {s.id: [s] for s in ok}
         g = qg.gm.graph
         flushed: dict[str, int] = {}
-        for gid, members in groups.items():
+        for gid, members in track(groups.items(), f"{self.name}: quantize and lower", unit="group"):
             nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
             for s in members:
                 if not nodes[s.id]:

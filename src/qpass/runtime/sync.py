@@ -16,6 +16,7 @@ import torch
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
+from qpass.progress import track
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
 
@@ -61,7 +62,7 @@ def sync_weights(learner: QGraph | Mapping[str, torch.Tensor], rollout: QGraph) 
     for rec in rollout.quant.values():
         if rec.lowered:
             groups.setdefault(rec.group, []).append(rec)
-    for gid, recs in groups.items():
+    for gid, recs in track(groups.items(), "weight sync: re-quantize the rollout weights", unit="group"):
         weights = {}
         for rec in recs:
             if rec.weight not in lparams:
