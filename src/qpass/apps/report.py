@@ -56,25 +56,61 @@ def plot_activation_mismatch(rel: dict[str, float], path: Path, title: str) -> N
 
 
 def plot_residual_heatmap(resid: torch.Tensor, channels: torch.Tensor | None, path: Path, title: str) -> None:
-    """Heatmap of |X - DQ(Q_A(X))| (tokens x channels), selected RAC channels marked below."""
+    """Write :func:`residual_heatmap_figure` to ``path`` (PNG)."""
     plt = _plt()
+    fig = residual_heatmap_figure(resid, channels, title)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def residual_heatmap_figure(resid: torch.Tensor, channels: torch.Tensor | None, title: str) -> Any:
+    """Heatmap of |X - DQ(Q_A(X))| (tokens x channels); below it the per-channel norm ``||R[:, j]||`` and a
+    strip marking the RAC-compensated channels (red; their count in its title). Returns the matplotlib figure.
+
+    ``resid``: ``[tokens, K]``; ``channels``: the compensated channel indices (any shape; None or empty:
+    no RAC at this site, no strip).
+    """
+    plt = _plt()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
+
     r = resid.float().abs().cpu()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 5), height_ratios=[5, 1], sharex=True)
+    k = r.shape[-1]
+    has_rac = channels is not None and channels.numel() > 0
+    rows = 3 if has_rac else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 6.2 if has_rac else 5.6), sharex=True, layout="constrained",
+                             height_ratios=[5, 1.8, 0.35][:rows])
+    ax, ax2 = axes[0], axes[1]
     im = ax.imshow(torch.log10(r + 1e-6).numpy(), aspect="auto", cmap="magma", interpolation="nearest")
-    fig.colorbar(im, ax=[ax, ax2], label="log10 |residual|")
+    fig.colorbar(im, ax=list(axes), label="log10 |residual|", shrink=0.9)
     ax.set_ylabel("token")
     ax.set_title(title)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
     per_ch = r.pow(2).sum(0).sqrt()
     ax2.plot(per_ch.numpy(), lw=0.7, color="black")
-    if channels is not None and channels.numel():
-        ch = channels.flatten().unique().cpu()
-        ax2.scatter(ch.numpy(), per_ch[ch].numpy(), s=3, color="tab:red", label="compensated (first batch)")
-        ax2.legend(fontsize=7)
     ax2.set_yscale("log")
-    ax2.set_xlabel("input channel")
+    ax2.yaxis.set_major_locator(LogLocator(base=10, numticks=4))
+    ax2.yaxis.set_minor_formatter(NullFormatter())
     ax2.set_ylabel("||R[:, j]||")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax2.grid(alpha=0.3, axis="y")
+    if has_rac:
+        ch = channels.flatten().unique().cpu()
+        mask = torch.zeros(k)
+        mask[ch] = 1.0
+        ax3 = axes[2]
+        ax3.imshow(mask.reshape(1, -1).numpy(), aspect="auto", cmap=ListedColormap(["#eeeeee", "tab:red"]), vmin=0, vmax=1,
+                   interpolation="nearest")
+        ax3.set_yticks([])
+        ax3.set_ylabel("RAC", rotation=0, ha="right", va="center")
+        ax3.set_title(f"compensated channels (red): {len(ch)} of {k} ({100 * len(ch) / k:.0f}%), first sampled batch",
+                      fontsize=8, loc="left")
+        ax3.set_xlabel("input channel")
+    else:
+        ax2.set_xlabel("input channel")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    return fig
 
 
 def plot_gap_histogram(d: torch.Tensor, d_floor: torch.Tensor | None, path: Path, title: str) -> None:
