@@ -53,6 +53,24 @@ def test_apply_reports_every_phase_with_counts(applied_with_progress):
     assert "ETA" in text
 
 
+def test_check_reports_its_phases(applied_with_progress, tiny_pipeline):
+    from qpass.apps.check import run_check
+    from qpass.graph.model import LoadedModel
+
+    _, _, out, _ = applied_with_progress
+    pipe = dataclasses.replace(tiny_pipeline, loaded=LoadedModel(model=tiny_pipeline.loaded.model, tokenizer=FakeTok(),
+                                                                 name="tiny-llama", source="random"))
+    lines = io.StringIO()
+    with reporting(LineReporter(lines, interval_s=0.0)):
+        status, _ = run_check(str(out), ApplyOptions(), pipeline=pipe)
+    assert status == 0
+    done = [ln for ln in lines.getvalue().splitlines() if ": done " in ln]
+    for phase_done in ("rollout passes: done 2/2 pass", "load the saved learner state: done",
+                       "weight sync: re-quantize the rollout weights: done 8/8 group",
+                       "compare and load every saved rollout tensor: done", "bit-level weight parity: done 8/8 group"):
+        assert any(phase_done in ln for ln in done), (phase_done, done)
+
+
 def test_apply_summary_lists_every_file_and_ends_with_the_verdict(applied_with_progress, capsys):
     from qpass.apps.console import console, print_summary
 

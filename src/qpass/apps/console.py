@@ -52,7 +52,7 @@ def print_summary(con: Any, report: dict[str, Any], out: Path) -> None:
     print_files(con, out)
     v = report.get("verdict") or {}
     if v.get("line"):
-        con.print(("[bold green]" if report["ok"] else "[bold red]") + _escape(v["line"]) + "[/]", soft_wrap=True)
+        con.print(("[bold green]" if report["ok"] else "[bold red]") + _escape(v["line"]) + "[/]", soft_wrap=True, highlight=False)
 
 
 def print_files(con: Any, out: Path) -> None:
@@ -63,7 +63,7 @@ def print_files(con: Any, out: Path) -> None:
     con.print(f"wrote {out}/ ({len(rows)} files):")
     width = max((len(r[0]) for r in rows), default=0)
     for rel, size, what in rows:
-        con.print(f"  {_escape(rel):{width}s}  {_size(size):>8s}  {_escape(what)}", soft_wrap=True)
+        con.print(f"  {_escape(rel):{width}s}  {_size(size):>8s}  {_escape(what)}", soft_wrap=True, highlight=False)
 
 
 def _size(n: int) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from qpass.progress import Phase, format_seconds, reporting
 
-__all__ = ["LineReporter", "RichReporter", "command_progress", "make_reporter"]
+__all__ = ["LineReporter", "RichReporter", "command_progress", "make_reporter", "quiet_third_party_bars"]
 
 MODES = ("auto", "rich", "lines", "off")
 
@@ -165,8 +165,22 @@ def make_reporter(console: Any = None, *, mode: str | None = None) -> Any:
     return LineReporter()
 
 
+def quiet_third_party_bars() -> None:
+    """Turn off transformers' own tqdm bars (the GGUF de-quantization bar of the model load): in a log
+    they are one long line of carriage returns, on a terminal they tear the rich display; the load is
+    a phase of its own."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    hf_logging.disable_progress_bar()
+
+
 @contextmanager
 def command_progress(console: Any = None, *, enabled: bool = True) -> Iterator[Any]:
     """Show the phases of the block (:func:`make_reporter`); ``enabled`` False: silence."""
-    with reporting(make_reporter(console) if enabled else None) as rep:
+    rep = make_reporter(console) if enabled else None
+    if rep is not None:
+        quiet_third_party_bars()
+    with reporting(rep):
         yield rep

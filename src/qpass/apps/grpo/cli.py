@@ -68,12 +68,13 @@ class GrpoPreset:
 #: eval, layer-wise probe, plots) at the smallest sizes that still exercise every part; measured in docs/RESULTS.md.
 GRPO_PRESETS: dict[str, GrpoPreset] = {p.name: p for p in (
     GrpoPreset("smoke", "a real 2-step run on the default model in about 2 minutes on a 2-core CPU: the 'larger' task "
-               "(where the untrained model is right about half the time, so rewards differ and the update runs), 1 prompt x 4 "
-               "responses of <= 6 tokens per step (sampling, reward, update, weight sync), the bit-level parity check on the "
-               "last step, a 4-prompt eval at steps 0 and 2; no BF16 shadow, no layer-wise probe",
-               {"steps": 2, "task": "larger", "reward": "first", "prompts_per_step": 1, "group_size": 4, "max_new_tokens": 6,
-                "eval_prompts": 4, "eval_max_new_tokens": 6, "n_train": 64, "n_eval": 8, "diag_every": 0, "bitexact_every": 0,
-                "no_initial_check": True, "no_shadow": True}),
+               "with its few-shot prompt at temperature 0.7 (the calibrated task of the long runs, where the untrained model is "
+               "right about a third of the time, so rewards differ and the update runs), 1 prompt x 4 responses of <= 6 tokens "
+               "per step (sampling, reward, update, weight sync), the bit-level parity check on the last step, a 4-prompt "
+               "eval at steps 0 and 2; no BF16 shadow, no layer-wise probe",
+               {"steps": 2, "task": "larger", "template": "larger_fewshot", "temperature": 0.7, "reward": "first",
+                "prompts_per_step": 1, "group_size": 4, "max_new_tokens": 6, "eval_prompts": 4, "eval_max_new_tokens": 6,
+                "n_train": 64, "n_eval": 8, "diag_every": 0, "bitexact_every": 0, "no_initial_check": True, "no_shadow": True}),
 )}
 
 
