@@ -74,7 +74,9 @@ def residual_heatmap_figure(resid: torch.Tensor, channels: torch.Tensor | None, 
     """
     plt = _plt()
     from matplotlib.colors import ListedColormap
-    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
+    from matplotlib.ticker import MaxNLocator
+
+    from qpass.apps.plot_style import readable_log_ticks
 
     r = resid.float().abs().cpu()
     k = r.shape[-1]
@@ -91,8 +93,6 @@ def residual_heatmap_figure(resid: torch.Tensor, channels: torch.Tensor | None, 
     per_ch = r.pow(2).sum(0).sqrt()
     ax2.plot(per_ch.numpy(), lw=0.7, color="black")
     ax2.set_yscale("log")
-    ax2.yaxis.set_major_locator(LogLocator(base=10, numticks=4))
-    ax2.yaxis.set_minor_formatter(NullFormatter())
     ax2.set_ylabel("||R[:, j]||")
     ax2.grid(alpha=0.3, axis="y")
     if has_rac:
@@ -110,6 +110,7 @@ def residual_heatmap_figure(resid: torch.Tensor, channels: torch.Tensor | None, 
     else:
         ax2.set_xlabel("input channel")
     axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    readable_log_ticks(ax2)
     return fig
 
 

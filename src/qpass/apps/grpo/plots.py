@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from qpass.apps.plot_style import readable_log_ticks
 from qpass.atomic import write_atomic
 from qpass.apps.grpo.jsonl import read_jsonl
 
@@ -132,21 +133,6 @@ def _frame_sparse(ax: Any, series: list[tuple[list[int], list[float]]], log_y: b
             ax.set_ylim(y - pad, y + pad)
 
 
-def _log_ticks(ax: Any) -> None:
-    """Readable ticks on a log y axis: plain numbers (``0.3``, ``2``), and below one decade of range a
-    few labelled minor ticks (2, 3, 5 x 10^k) instead of matplotlib's crowd of ``1.9x10^0`` labels."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    lo, hi = ax.get_ylim()
-    plain = FuncFormatter(lambda v, _pos: f"{v:.3g}")
-    ax.yaxis.set_major_formatter(plain)
-    if lo > 0 and hi / lo < 10:
-        ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 3.0, 5.0)))
-        ax.yaxis.set_minor_formatter(plain)
-    else:
-        ax.yaxis.set_minor_formatter(NullFormatter())
-
-
 def plot_runs(
     run_dirs: Sequence[str | Path],
     out: str | Path,
@@ -243,7 +229,7 @@ def runs_figure(
                 ax.margins(x=0.15, y=0.25)  # room for the value labels
             _frame_sparse(ax, drawn, panel.log_y)
             if panel.log_y:
-                _log_ticks(ax)
+                readable_log_ticks(ax)
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, f"no data for {panel.key}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
