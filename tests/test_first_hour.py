@@ -187,7 +187,7 @@ def test_grpo_smoke_preset_sets_defaults_that_flags_override():
     argv = ["--preset", "smoke", "--recipe", "quads_nvfp4", "--out", "x", "--max-new-tokens", "20"]
     assert _apply_preset(ap, argv) == "smoke"
     a = ap.parse_args(argv)
-    assert (a.steps, a.group_size, a.eval_prompts, a.diag_every) == (2, smoke["group_size"], smoke["eval_prompts"], smoke["diag_every"])
+    assert (a.steps, a.group_size, a.eval_every, a.diag_every, a.task) == (2, smoke["group_size"], 0, 0, "larger")
     assert a.max_new_tokens == 20  # the explicit flag wins
     plain = build_grpo_parser().parse_args(["--recipe", "quads_nvfp4", "--out", "x"])
     assert plain.steps == 20 and plain.eval_prompts == 400  # no preset: the GRPOConfig defaults

@@ -7,7 +7,7 @@
     qpass recipes                                    list built-in recipes
     qpass bench [--quick]                            kernel benchmarks (ratios vs baselines, same run)
     qpass grpo --recipe R --out DIR                  GRPO with mismatch diagnostics and corrections
-                                                     (--preset smoke: a 2-step run in ~2 min on a CPU)
+                                                     (--preset smoke: a real 2-step run, a few CPU-minutes)
     qpass grpo-plot RUN_DIR... --out PNG             overlay GRPO curves
     qpass study --out DIR                            QUADS ablations on the default model
 

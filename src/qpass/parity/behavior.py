@@ -20,7 +20,7 @@ import torch
 
 from qpass.diagnostics.metrics import MismatchMetrics, mismatch_metrics
 from qpass.graph.qgraph import QGraph
-from qpass.progress import track
+from qpass.progress import phase, track
 from qpass.runtime.engine import LearnerEngine, RolloutEngine, as_learner_engine, as_rollout_engine
 
 
@@ -101,7 +101,7 @@ def logprob_gap(
         with routes.record() as ro_tape:
             b = ro.generate(chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
         wall += time.perf_counter() - t0
-        with routes.record() as le_tape:
+        with routes.record() as le_tape, phase("score with the learner"):
             lp = le.token_logprobs(b.input_ids, b.attention_mask, temperature=temperature, top_p=top_p)[:, b.prompt_len - 1:]
         r = max_new_tokens
         pad = lambda t, v: torch.nn.functional.pad(t, (0, r - t.shape[1]), value=v)  # noqa: E731

@@ -125,7 +125,8 @@ class TorchRollout:
         ids, pos, cpos, mask = self._prefill(prompts, dev)
         gen = torch.Generator(device=dev).manual_seed(seed)
         eos = self.eos.to(dev)
-        logits = self.gm(ids, pos, cpos, mask)[:, -1]
+        with phase("prefill"):
+            logits = self.gm(ids, pos, cpos, mask)[:, -1]
         out_tok, out_lp, out_valid = [], [], []
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         last_pos = pos[:, -1]

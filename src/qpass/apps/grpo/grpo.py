@@ -496,10 +496,11 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ checks
     def initial_checks(self) -> dict[str, Any]:
         """Parity of the freshly built graphs, baseline eval and layer-wise probe (step 0): one phase, a unit per part."""
-        parts = [self.cfg.initial_check and self.aligned, self.cfg.initial_check and self.external, self._eval_set is not None,
-                 bool(self.cfg.diag_every)]
+        parts = [name for name, on in (("parity", self.cfg.initial_check and self.aligned),
+                                       ("served bytes", self.cfg.initial_check and self.external),
+                                       ("eval", self._eval_set is not None), ("layer-wise probe", bool(self.cfg.diag_every))) if on]
         label = f"grpo {self.recipe_name}".strip()
-        with phase(f"{label}: initial checks (parity, eval, layer-wise probe)", total=sum(parts), unit="part") as ph:
+        with phase(f"{label}: step 0 ({', '.join(parts) or 'nothing to check'})", total=len(parts), unit="part") as ph:
             return self._initial_checks(ph)
 
     def _initial_checks(self, ph: Any) -> dict[str, Any]:
