@@ -560,3 +560,37 @@ def test_default_model_calibrate_apply_check(default_pipeline, tmp_path):
     assert report["artifacts"]["calibration"]["static_act_sites_used"] == 210
     status, res = run_check(str(out), ApplyOptions(), pipeline=default_pipeline)
     assert status == 0, res.get("failures")
+
+
+# ----------------------------------------------------------------------------- console (the first hour x calibration)
+
+
+def test_calibrate_reports_its_forwards_and_export_says_which_input_scales_it_carries(tiny, applied, tmp_path):
+    """``qpass calibrate`` shows its forwards as a phase (qpass.progress); ``qpass export``'s "carried"
+    record (its console lines) names static activation scales as carried and says where the input
+    scales of dynamic W4A4 sites came from (the calibration, not probe prompts)."""
+    import io
+
+    from qpass.apps.calibrate import run_calibrate
+    from qpass.apps.export import export_checkpoint
+    from qpass.apps.progress import LineReporter
+    from qpass.progress import reporting
+
+    hf, pipe, recipes, cals = tiny
+    out, _ = applied
+    lines = io.StringIO()
+    with reporting(LineReporter(lines, interval_s=0.0)):
+        run_calibrate(str(recipes["rac"]), tmp_path / "cal", model=str(hf), pipeline=pipe, num_prompts=3)
+    assert "calibration forwards of the unquantized model: done 3/3 prompt" in lines.getvalue(), lines.getvalue()
+    # the static apply: every W4A4 site has a static scale (carried), static RAC is not (modelopt)
+    carried = export_checkpoint(tmp_path / "mo", "modelopt", src=out)["carried"]
+    assert not any("dynamic per-tensor activation scales" in s for s in carried["not_carried"]), carried
+    assert any(s.startswith("RAC on 4 site(s)") for s in carried["not_carried"]), carried
+    assert carried["notes"] == ["14 static activation-scale site(s): the calibrated input amax the rollout graph used, "
+                                "written as its input_scale (carried)"]
+    # dynamic W4A4 sites, input scales from --calibration: named as the source
+    cal = load_calibration(cals["rac"])
+    carried = export_checkpoint(tmp_path / "mo2", "modelopt", model=str(hf), recipe=str(recipes["rac"]), calibration=cals["rac"])["carried"]
+    dyn = [s for s in carried["not_carried"] if "dynamic per-tensor activation scales" in s]
+    assert dyn == [f"dynamic per-tensor activation scales on 14 W4A4 site(s): replaced by a static calibrated input_scale "
+                   f"(the calibration {cal.name})"], carried

@@ -10,9 +10,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _readme_test_command() -> str:
     text = (ROOT / "README.md").read_text()
-    m = re.search(r"Run the tests \(the same command `\.ci/run` runs\):\s*```bash\n(.+?)\n```", text, re.S)
-    assert m, "README lost its 'Run the tests' block"
+    m = re.search(r"This is the command `\.ci/run` runs:\s*```bash\n(.+?)\n```", text, re.S)
+    assert m, "README lost its test command block"
     return m.group(1).strip()
+
+
+def _readme_main_job_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"## Quick start.*?```bash\n(.+?)\n```", text, re.S)
+    assert m, "README lost its quick start"
+    return m.group(1).strip()
+
+
+def test_readme_opens_with_a_one_screen_quick_start():
+    text = (ROOT / "README.md").read_text()
+    first = text[: text.index("## Reference")]
+    assert len(first.splitlines()) <= 75  # one screen: what it does, the two commands, what success looks like
+    assert "qpass apply recipes/quads_nvfp4.yaml --model default" in _readme_main_job_command()
+    assert _readme_test_command() in first
+    assert "x the BF16 engine-drift floor" in first and "PASS: " in first  # the verdict line a user will see
+    assert "measured 20" not in first  # measurement provenance lives below / in docs/RESULTS.md
+
+
+def test_the_test_command_uses_its_own_venv_and_leaves_the_main_jobs_alone():
+    main, test = _readme_main_job_command(), _readme_test_command()
+    assert main.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+    assert test.startswith("python3 -m venv .venv-test && . .venv-test/bin/activate && ")
+    assert ".venv/" not in test and ".venv " not in test
+    assert ".venv-test" in (ROOT / ".gitignore").read_text()
 
 
 def test_ci_runs_exactly_the_readme_test_command():

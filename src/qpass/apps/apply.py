@@ -33,6 +33,7 @@ from qpass.apps.validate import check_model_ref
 from qpass.atomic import atomic_dir
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
+from qpass.progress import phase
 from qpass.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -122,22 +123,24 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
     timings: dict[str, float] = {}
     load_backends([o.kernels])  # the one registration path (qpass.apps.plugins)
     with atomic_dir(out, force=o.force) as tmp, use_kernels(o.kernels):
-        with con.status(f"loading {o.model} and capturing graphs (torch.export)..."):
-            t0 = time.perf_counter()
-            lm = pipeline.loaded if pipeline is not None else _load(o)
-            if cal is not None:
-                cal.check_model(lm.model)  # before the capture: another model's calibration is bad input
-            prompts = encode_chat(lm.tokenizer, probe_prompts(gopt.prompts))
-            pipe, bsz, max_len = _capture(o, lm, pipeline, len(prompts) * gopt.samples_per_prompt,
-                                          max(len(p) for p in prompts) + gopt.max_new_tokens + 1, t0)
-            timings.update(pipe.timings)
+        t0 = time.perf_counter()
+        if pipeline is not None:
+            lm = pipeline.loaded
+        else:
+            with phase(f"load the model ({o.model})"):
+                lm = _load(o)
+        if cal is not None:
+            cal.check_model(lm.model)  # before the capture: another model's calibration is bad input
+        prompts = encode_chat(lm.tokenizer, probe_prompts(gopt.prompts))
+        pipe, bsz, max_len = _capture(o, lm, pipeline, len(prompts) * gopt.samples_per_prompt,
+                                      max(len(p) for p in prompts) + gopt.max_new_tokens + 1, t0)
+        timings.update(pipe.timings)
         con.print(f"[bold]captured[/] {len(pipe.base_scoring.sites)} linear sites "
                   f"(scoring {timings['capture_scoring_s']:.1f}s, step {timings['capture_step_s']:.1f}s)")
-        with con.status("applying passes..."):
-            t0 = time.perf_counter()
-            learner, rollout = pipe.build(recipe, debug=o.debug, reproducer_dir=out.parent / f"{out.name}.reproducers",
-                                          calibration=cal)
-            timings["passes_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()  # one phase per side (qpass.pm), one unit per pass
+        learner, rollout = pipe.build(recipe, debug=o.debug, reproducer_dir=out.parent / f"{out.name}.reproducers",
+                                      calibration=cal)
+        timings["passes_s"] = time.perf_counter() - t0
         print_passes(con, learner.history + rollout.history)
 
         probe = BehaviorProbe(prompts, dict(pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id,
@@ -151,34 +154,35 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         with contextlib.ExitStack() as engines:
             engine = None
             if o.rollout_engine == "vllm":
-                with con.status("exporting the rollout checkpoint and starting vLLM..."):
+                with phase("export the rollout checkpoint and start vLLM"):
                     t0 = time.perf_counter()
                     engine = engines.enter_context(_vllm_factory(lm, o, rollout, prompts, bsz, max_len, gopt.seed)())
                     timings["engine_start_s"] = time.perf_counter() - t0
                 if "weights_bitexact" not in names:  # the engine's bytes are always read back
                     names.insert(0, "weights_bitexact")
-            ctx = CheckContext(recipe, learner, rollout, timings, con.status, probe, engine, engines.close if engine else None)
+            ctx = CheckContext(recipe, learner, rollout, timings, probe, engine, engines.close if engine else None)
             results = list(run_checks(ctx, names))
 
         plots: dict[str, str] = {}
         diag: dict[str, Any] = {}
         gap_res = next((r for r in results if r.name == "logprob_gap"), None)
         if gap_res is not None:
-            with con.status("diagnostics and plots..."):
-                t0 = time.perf_counter()
-                try:
-                    plots.update(_diagnostics_and_plots(recipe, learner, rollout, gap_res.data["gap"], gap_res.data["floor"], tmp, diag))
-                except ImportError as exc:  # e.g. no matplotlib on a GPU box: numbers stay in report.json
-                    diag["plots_skipped"] = f"{type(exc).__name__}: {exc}"
-                timings["diagnostics_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                plots.update(_diagnostics_and_plots(recipe, learner, rollout, gap_res.data["gap"], gap_res.data["floor"], tmp, diag))
+            except ImportError as exc:  # e.g. no matplotlib on a GPU box: numbers stay in report.json
+                diag["plots_skipped"] = f"{type(exc).__name__}: {exc}"
+            timings["diagnostics_s"] = time.perf_counter() - t0
 
-        with con.status("writing artifacts..."):
+        with phase("write the artifacts", total=1 + o.save_learner + (cal is not None), unit="file set") as ph:
             t0 = time.perf_counter()
             files: dict[str, Any] = {"rollout": save_rollout(rollout, tmp / "rollout", recipe.text,
                                                              {"recipe": recipe.name, "qpass_version": __version__})}
+            ph.advance(note="rollout/")
             if o.save_learner:
                 files["learner"] = {"state": "learner/model.safetensors",
                                     "tensors": save_learner(learner, tmp / "learner" / "model.safetensors")}
+                ph.advance(note="learner/")
             if cal is not None:  # the calibration the rollout was built with, for `qpass check` / `qpass export DIR`
                 from qpass.calibration.run import graph_requests
 
@@ -192,6 +196,7 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
                 req = graph_requests(rollout)
                 files["calibration"] = {"dir": "calibration", **cal.summary(), "path": str(o.calibration),
                                         "static_act_sites_used": len(req.amax), "static_rac_sites_used": len(req.rac)}
+                ph.advance(note="calibration/")
             timings["write_s"] = time.perf_counter() - t0
         report = build_report(recipe, o, lm, pipe, learner, rollout, results, kernels_eff, bsz, max_len, gopt, diag, plots,
                               files, timings | {"total_s": time.perf_counter() - t_all})
@@ -243,7 +248,14 @@ def _capture(o: ApplyOptions, lm: Any, pipeline: Any, rows: int, max_len: int, t
 
 
 def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap: Any, floor: Any, tmp: Path, diag: dict[str, Any]) -> dict[str, str]:
-    """Per-site activation mismatch, the residual map of one RAC (or W4A4) site, the gap histogram."""
+    """Per-site activation mismatch, the residual map of one RAC (or W4A4) site, the gap histogram
+    (a phase of 3 steps: capture the linear inputs, the residual map, the plots)."""
+    with phase("diagnostics and plots", total=3, unit="step") as ph:
+        return _diagnostics_steps(recipe, learner, rollout, gap, floor, tmp, diag, ph)
+
+
+def _diagnostics_steps(recipe: Recipe, learner: QGraph, rollout: QGraph, gap: Any, floor: Any, tmp: Path, diag: dict[str, Any],
+                       ph: Any) -> dict[str, str]:
     from qpass.calibration.run import graph_constants
     from qpass.diagnostics.layerwise import residual_channel_map
     from qpass.formats.spec import NVFP4_ACT
@@ -252,7 +264,9 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
 
     plots: dict[str, str] = {}
     skipped: list[str] = []
+    ph.advance(0, note="capture the linear inputs of both graphs")
     rel, la, ra = activation_diagnostics(learner, rollout, gap.batches[0], skipped)
+    ph.advance(note="residual map")
     diag["activation_mismatch_rel"] = rel
     if skipped:
         diag["activation_mismatch_skipped"] = {
@@ -276,6 +290,7 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
                 static_channels(x, rec.rac.ratio, act_spec=spec, act_amax=act_amax, site=site)
         diag["residual_site"] = site
         diag["residual_channel_l2_top8"] = torch.topk(residual_channel_map(x).l2, 8).indices.tolist()
+    ph.advance(note="plots")
     plot_activation_mismatch(rel, tmp / "activation_mismatch.png", f"{recipe.name}: per-site input mismatch (rollout prefill vs learner)")
     plots["activation_mismatch"] = "activation_mismatch.png"
     if site is not None:
@@ -283,21 +298,30 @@ def _diagnostics_and_plots(recipe: Recipe, learner: QGraph, rollout: QGraph, gap
         plots["residual_heatmap"] = "residual_heatmap.png"
     plot_gap_histogram(gap.d, floor.d if floor else None, tmp / "logprob_gap_hist.png", f"{recipe.name}: log-prob gap per token")
     plots["logprob_gap_hist"] = "logprob_gap_hist.png"
+    ph.advance()
     return plots
 
 
 def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     """The ``qpass apply`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose, pos_int, seed_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_rollout_engine, add_threads, add_verbose, pos_int, seed_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report")
+    ap = argparse.ArgumentParser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("recipe", help="recipe YAML path or built-in name (see `qpass recipes`)")
     ap.add_argument("--out", required=True, type=Path, help="output directory (written atomically, reserved from the start)")
     add_common_args(ap)
-    ap.add_argument("--prompts", type=int, help="probe prompts (overrides the recipe's logprob_gap check; validated by it)")
-    ap.add_argument("--samples", type=int, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int)
-    ap.add_argument("--seed", type=seed_int)
+    from qpass.recipe import LogprobGapCheck
+
+    gap = LogprobGapCheck.model_fields
+
+    def recipe_default(field: str) -> str:
+        return f"(default: the recipe's logprob_gap value, {gap[field].default} where it sets none; validated by its schema)"
+
+    ap.add_argument("--prompts", type=int, help=f"probe prompts {recipe_default('prompts')}")
+    ap.add_argument("--samples", type=int, help=f"samples per prompt {recipe_default('samples_per_prompt')}")
+    ap.add_argument("--max-new-tokens", type=int, help=f"response tokens per sample {recipe_default('max_new_tokens')}")
+    ap.add_argument("--seed", type=seed_int, help=f"sampling seed {recipe_default('seed')}")
     ap.add_argument("--batch-size", type=pos_int, default=16, help="static rollout batch (rows per generate call)")
     ap.add_argument("--no-floor", action="store_true", help="skip the BF16 engine-drift floor")
     ap.add_argument("--no-behavioral", action="store_true", help="skip sampling (structural and bit-level checks only)")
@@ -321,7 +345,10 @@ def main_apply(argv: list[str] | None = None) -> int:
                      max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, floor=not a.no_floor,
                      behavioral=not a.no_behavioral, save_learner=not a.no_save_learner, debug=not a.no_debug, force=a.force,
                      rollout_engine=a.rollout_engine, calibration=a.calibration)
-    status, _ = run_apply(a.recipe, a.out, o)
+    from qpass.apps.progress import command_progress
+
+    with command_progress():
+        status, _ = run_apply(a.recipe, a.out, o)
     return status
 
 

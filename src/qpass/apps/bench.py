@@ -18,11 +18,12 @@ import argparse
 
 def build_bench_parser(prog: str = "qpass bench") -> argparse.ArgumentParser:
     """The ``qpass bench`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_threads, add_verbose, nonneg_float, pos_float, seed_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_threads, add_verbose, nonneg_float, pos_float, seed_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Triton kernel benchmarks: ratios against baselines timed in the same run")
+    ap = argparse.ArgumentParser(prog=prog, description="Triton kernel benchmarks: ratios against baselines timed in the same run",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CPU interpreter, tiny shapes, correctness only (< 1 min)")
-    ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md)")
+    ap.add_argument("--out", default=None, help="JSON output path (markdown goes beside it as .md; default: none, the table on stdout)")
     ap.add_argument("--budget-s", type=pos_float, default=300.0, help="wall-clock budget of the full benchmark, seconds")
     ap.add_argument("--seed", type=seed_int, default=0, help="torch seed of the --quick inputs (default: %(default)s)")
     ap.add_argument("--gemv-only", action="store_true",

@@ -129,8 +129,11 @@ def run_calibrate(recipe_ref: str, out: Path, *, model: str = "default", dtype: 
 
         if dtype not in DTYPES:
             raise QpassError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
-        lm = load_model(model, dtype=DTYPES[dtype], device=device)
-        pipeline = Pipeline.prepare(loaded=lm, batch_size=1, max_len=8)
+        from qpass.progress import phase
+
+        with phase(f"load the model ({model})"):
+            lm = load_model(model, dtype=DTYPES[dtype], device=device)
+        pipeline = Pipeline.prepare(loaded=lm, batch_size=1, max_len=8)  # phase: capture
     tok = pipeline.tokenizer
     if tok is None or not hasattr(tok, "apply_chat_template"):
         raise QpassError(f"model {model}: no chat tokenizer to encode the calibration prompts with")
@@ -169,17 +172,17 @@ def add_calibration_arg(ap: argparse.ArgumentParser, help_extra: str = "") -> No
 
 def build_calibrate_parser(prog: str = "qpass calibrate") -> argparse.ArgumentParser:
     """The ``qpass calibrate`` argument parser."""
-    from qpass.apps.cliutil import add_dtype, add_force, add_threads, add_verbose, pos_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_dtype, add_force, add_threads, add_verbose, pos_int
 
     ap = argparse.ArgumentParser(prog=prog, description="Calibrate static RAC channels and static activation scales "
-                                 "(input_scale) of a recipe's rollout on prompts")
+                                 "(input_scale) of a recipe's rollout on prompts", formatter_class=DefaultsHelpFormatter)
     ap.add_argument("recipe", help="recipe name or YAML path (its static passes say what to calibrate)")
     ap.add_argument("--out", required=True, type=Path, help="calibration directory to create (written atomically)")
     ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model dir or a .gguf (default: default)")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="calibration prompts: .json list of strings or .jsonl (default: the packaged probe prompts)")
     ap.add_argument("--num-prompts", type=pos_int, default=None, help="use the first N prompts (default: all)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     add_dtype(ap)
     add_force(ap, JSON_NAME)
     add_threads(ap)
@@ -193,8 +196,11 @@ def main_calibrate(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    doc = run_calibrate(a.recipe, a.out, model=a.model, dtype=a.dtype, device=a.device, prompts=a.prompts,
-                        num_prompts=a.num_prompts, force=a.force)
+    from qpass.apps.progress import command_progress
+
+    with command_progress():
+        doc = run_calibrate(a.recipe, a.out, model=a.model, dtype=a.dtype, device=a.device, prompts=a.prompts,
+                            num_prompts=a.num_prompts, force=a.force)
     d = doc["data"]
     print(f"qpass calibrate: {a.out}: {len(doc['sites'])} sites' input scales, {len(doc['rac'])} static RAC sites, "
           f"from {d['prompts']} prompts / {d['tokens']} tokens ({d['source']}) in {doc['_elapsed_s']:.1f}s", file=sys.stderr)

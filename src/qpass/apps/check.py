@@ -57,6 +57,7 @@ from qpass.apps.parity_checks import BehaviorProbe, CheckContext, run_checks
 from qpass.apps.report import site_counts
 from qpass.apps.validate import check_model_ref, check_report_fields
 from qpass.errors import QpassError, RecipeError
+from qpass.progress import phase
 from qpass.recipe import load_recipe, parse_recipe
 
 __all__ = ["build_check_parser", "main_check", "run_check"]
@@ -191,24 +192,26 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     failures: list[str] = []
     loaded: dict[str, int] = {}
     load_backends([o.kernels])
-    with use_kernels(o.kernels), con.status("loading model, capturing and applying the recipe..."):
+    with use_kernels(o.kernels):  # phases: load + capture, the passes of each side, the re-quantization
         pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
         if cal is not None:
             cal.check_model(pipe.loaded.model)
         learner, rollout = pipe.build(recipe, debug=True, calibration=cal)
         if arts.get("learner"):
-            loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
+            with phase("load the saved learner state"):
+                loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
         if arts.get("rollout", {}).get("weights"):
             from qpass.runtime import sync_weights
 
             sync_weights(learner, rollout)  # what the saved (or fresh) masters quantize to
-            saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
-            tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
-            if cal is not None:
-                tensor_problems += calibration_problems(cal, saved_tensors, "rollout/weights.safetensors")
-            result["compared"] = {"rollout_tensors": len(saved_tensors)}
-            failures += tensor_problems
-            loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
+            with phase("compare and load every saved rollout tensor"):
+                saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
+                tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
+                if cal is not None:
+                    tensor_problems += calibration_problems(cal, saved_tensors, "rollout/weights.safetensors")
+                result["compared"] = {"rollout_tensors": len(saved_tensors)}
+                failures += tensor_problems
+                loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
         if apply_dir is not None:  # the quantization config and the report's site counts vs the rebuilt graphs
             failures += rebuilt_problems(apply_dir, rollout, site_counts(learner, rollout))
     result["loaded"] = loaded
@@ -227,8 +230,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
             if "weights_bitexact" not in names:
                 names.insert(0, "weights_bitexact")
             engine = engines.enter_context(_vllm_engine(pipe, learner, rollout, o, bsz, max_len))
-        ctx = CheckContext(recipe, learner, rollout, status=con.status, probe=_probe(pipe, bsz, max_len) if behavioral else None,
-                           engine=engine)
+        ctx = CheckContext(recipe, learner, rollout, probe=_probe(pipe, bsz, max_len) if behavioral else None, engine=engine)
         results = list(run_checks(ctx, names))
     result["rollout_engine"] = o.rollout_engine
     for r in results:
@@ -274,15 +276,16 @@ def _probe(pipe: Any, bsz: int, max_len: int) -> BehaviorProbe:
 
 def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
     """The ``qpass check`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
-    from qpass.apps.cliutil import add_rollout_engine, add_threads, add_verbose
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_rollout_engine, add_threads, add_verbose
 
-    ap = argparse.ArgumentParser(prog=prog, description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe")
+    ap = argparse.ArgumentParser(prog=prog, description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("target", help="an output DIR of `qpass apply`, or a recipe")
     add_common_args(ap)
     ap.add_argument("--behavioral", action="store_true", help="also sample and measure the log-prob gap")
     ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 comparison with report.json "
                     "(to rebuild the graphs and name the sites of a change)")
-    ap.add_argument("--json", type=Path, help="write the check result as JSON here")
+    ap.add_argument("--json", type=Path, help="write the check result as JSON here (default: none written)")
     add_rollout_engine(ap)
     from qpass.apps.calibrate import add_calibration_arg
 
@@ -304,7 +307,10 @@ def main_check(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     o = ApplyOptions(model=a.model, device=a.device, dtype=a.dtype, kernels=a.kernels, rollout_engine=a.rollout_engine,
                      calibration=a.calibration)
-    status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
+    from qpass.apps.progress import command_progress
+
+    with command_progress():
+        status, result = run_check(a.target, o, behavioral=a.behavioral, checksums=not a.no_checksums)
     if a.json:
         write_json(a.json, result)
     return status

@@ -2,11 +2,13 @@
 
     qpass apply RECIPE --model default --out DIR     recipe -> learner + rollout graphs + parity report
     qpass check DIR|RECIPE                           re-verify parity (saved artifacts or a recipe)
-    qpass export DIR|MODEL --format F --out CKPT     standalone HF checkpoint (qpass, plain)
+    qpass export DIR|MODEL --format F --out CKPT     standalone HF checkpoint; F: qpass (default; carries RAC),
+                                                     modelopt, compressed-tensors, plain (unquantized masters)
     qpass calibrate RECIPE --out CAL                 static RAC channels + activation scales from prompts
     qpass recipes                                    list built-in recipes
     qpass bench [--quick]                            kernel benchmarks (ratios vs baselines, same run)
     qpass grpo --recipe R --out DIR                  GRPO with mismatch diagnostics and corrections
+                                                     (--preset smoke: a real 2-step run, a few CPU-minutes)
     qpass grpo-plot RUN_DIR... --out PNG             overlay GRPO curves
     qpass study --out DIR                            QUADS ablations on the default model
 

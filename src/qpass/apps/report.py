@@ -58,25 +58,62 @@ def plot_activation_mismatch(rel: dict[str, float], path: Path, title: str) -> N
 
 
 def plot_residual_heatmap(resid: torch.Tensor, channels: torch.Tensor | None, path: Path, title: str) -> None:
-    """Heatmap of |X - DQ(Q_A(X))| (tokens x channels), selected RAC channels marked below."""
+    """Write :func:`residual_heatmap_figure` to ``path`` (PNG)."""
     plt = _plt()
+    fig = residual_heatmap_figure(resid, channels, title)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def residual_heatmap_figure(resid: torch.Tensor, channels: torch.Tensor | None, title: str) -> Any:
+    """Heatmap of |X - DQ(Q_A(X))| (tokens x channels); below it the per-channel norm ``||R[:, j]||`` and a
+    strip marking the RAC-compensated channels (red; their count in its title). Returns the matplotlib figure.
+
+    ``resid``: ``[tokens, K]``; ``channels``: the compensated channel indices (any shape; None or empty:
+    no RAC at this site, no strip).
+    """
+    plt = _plt()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
+
+    from qpass.apps.plot_style import readable_log_ticks
+
     r = resid.float().abs().cpu()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 5), height_ratios=[5, 1], sharex=True)
+    k = r.shape[-1]
+    has_rac = channels is not None and channels.numel() > 0
+    rows = 3 if has_rac else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 6.2 if has_rac else 5.6), sharex=True, layout="constrained",
+                             height_ratios=[5, 1.8, 0.35][:rows])
+    ax, ax2 = axes[0], axes[1]
     im = ax.imshow(torch.log10(r + 1e-6).numpy(), aspect="auto", cmap="magma", interpolation="nearest")
-    fig.colorbar(im, ax=[ax, ax2], label="log10 |residual|")
+    fig.colorbar(im, ax=list(axes), label="log10 |residual|", shrink=0.9)
     ax.set_ylabel("token")
     ax.set_title(title)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
     per_ch = r.pow(2).sum(0).sqrt()
     ax2.plot(per_ch.numpy(), lw=0.7, color="black")
-    if channels is not None and channels.numel():
-        ch = channels.flatten().unique().cpu()
-        ax2.scatter(ch.numpy(), per_ch[ch].numpy(), s=3, color="tab:red", label="compensated (first batch)")
-        ax2.legend(fontsize=7)
     ax2.set_yscale("log")
-    ax2.set_xlabel("input channel")
     ax2.set_ylabel("||R[:, j]||")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax2.grid(alpha=0.3, axis="y")
+    if has_rac:
+        ch = channels.flatten().unique().cpu()
+        mask = torch.zeros(k)
+        mask[ch] = 1.0
+        ax3 = axes[2]
+        ax3.imshow(mask.reshape(1, -1).numpy(), aspect="auto", cmap=ListedColormap(["#eeeeee", "tab:red"]), vmin=0, vmax=1,
+                   interpolation="nearest")
+        ax3.set_yticks([])
+        ax3.set_ylabel("RAC", rotation=0, ha="right", va="center")
+        ax3.set_title(f"compensated channels (red): {len(ch)} of {k} ({100 * len(ch) / k:.0f}%), first sampled batch",
+                      fontsize=8, loc="left")
+        ax3.set_xlabel("input channel")
+    else:
+        ax2.set_xlabel("input channel")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    readable_log_ticks(ax2)
+    return fig
 
 
 def plot_gap_histogram(d: torch.Tensor, d_floor: torch.Tensor | None, path: Path, title: str) -> None:
@@ -122,6 +159,7 @@ def markdown(report: dict[str, Any]) -> str:
     """Human-readable summary of a report dict (the same numbers as report.json)."""
     p = report["parity"]
     lines = [f"# qpass apply: {report['recipe']['name']}", "",
+             f"**{report['verdict']['line']}**" if report.get("verdict") else "", "",
              f"Model: {report['model']['name']} ({report['model']['dtype']}, {report['model']['device']}, kernels: {report['kernels']}"
              + (f", effective: {report['kernels_effective']}" if report.get("kernels_effective", report["kernels"]) != report["kernels"] else "")
              + ")", "",
@@ -187,7 +225,7 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
         parity.update(r.fields)
     parity |= {"probe": gopt.model_dump() | {"rollout_batch": bsz, "max_len": max_len},
                "checks": [r.row() for r in results], "problems": [p for r in results for p in r.problems]}
-    return {
+    rep = {
         "qpass_version": __version__,
         "recipe": recipe.to_json() | {"text": recipe.text},
         # the model files' sha256: what `qpass check` / `qpass export` rebuild from (qpass.apps.integrity)
@@ -209,6 +247,70 @@ def build_report(recipe: Recipe, o: ApplyOptions, lm: Any, pipe: Any, learner: Q
         "machine": machine_record(o.device),
         "ok": not any(r.ok is False for r in results),
     }
+    rep["verdict"] = verdict(rep)
+    return rep
+
+
+# what each file of an apply output is (``qpass apply`` lists every file it wrote with these)
+OUTPUT_FILES: dict[str, str] = {
+    "report.json": "every number: parity, log-prob gap and floor, sites, passes, machine, timings, sha256 of each file",
+    "report.md": "the same report, readable",
+    "learner/model.safetensors": "learner state: the BF16 master weights (HF names; the learner fake-quantizes them on the fly)",
+    "rollout/weights.safetensors": "rollout linears: packed E2M1 codes, E4M3 block scales, S_dec, S_enc (ModelOpt names)",
+    "rollout/hf_quant_config.json": "per-site quantization of the rollout (groups, activation mode, RAC)",
+    "rollout/recipe.yaml": "the recipe that was applied",
+    "activation_mismatch.png": "plot: per-site input mismatch, rollout prefill vs learner",
+    "residual_heatmap.png": "plot: NVFP4 activation residual of one RAC (or W4A4) site, compensated channels marked",
+    "logprob_gap_hist.png": "plot: log-prob gap per token, recipe vs BF16 floor",
+}
+
+
+def verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """The one-line verdict of an apply report, the log-prob gap in units of the BF16 engine-drift floor.
+
+    Returns ``{"ok": bool, "gap_over_floor": float | None, "line": str}``; ``gap_over_floor`` is
+    ``mean|d|(recipe) / mean|d|(bf16 floor)`` (SPEC §4 ``G_abs``, token mean), None when either was not
+    measured or the floor is 0.
+    """
+    p = report["parity"]
+    ok = bool(report["ok"])
+    parts: list[str] = []
+    if p.get("structural_ok") is False or p.get("weights_bitexact") is False:
+        n = len(p.get("mismatched_groups") or [])
+        parts.append("learner and rollout do NOT share one quantizer"
+                     + (f" ({n} fused group(s) differ bit-wise)" if n else " (structural parity failed)"))
+    elif p.get("weights_bitexact"):
+        groups = next((c.get("detail", "") for c in p.get("checks", []) if c["check"] == "weights_bitexact"), "")
+        parts.append("learner and rollout share the NVFP4 weight quantizer bit for bit" + (f" ({groups})" if groups else ""))
+    elif p.get("structural_ok"):
+        parts.append("structural parity holds (no bit-level weight check: the learner has no NVFP4 weight QDQ)")
+    g, f = p.get("logprob_gap"), p.get("floor_logprob_gap")
+    ratio = None
+    if g:
+        gated = {c["check"]: c["ok"] for c in p.get("checks", [])}.get("logprob_gap")
+        gate = " (not gated: the recipe sets no max_abs_gap)" if gated is None else (" (within the recipe's max_abs_gap)" if gated
+                                                                                      else " (ABOVE the recipe's max_abs_gap)")
+        if f and f.get("mean_abs"):
+            ratio = g["mean_abs"] / f["mean_abs"]
+            parts.append(f"rollout/learner log-prob gap mean|d| {g['mean_abs']:.4f} = {ratio:.1f}x the BF16 engine-drift floor "
+                         f"({f['mean_abs']:.4f}){gate}")
+        elif f:
+            parts.append(f"rollout/learner log-prob gap mean|d| {g['mean_abs']:.4f}; the BF16 engine-drift floor is exactly 0 "
+                         f"on this probe (no ratio){gate}")
+        else:
+            parts.append(f"rollout/learner log-prob gap mean|d| {g['mean_abs']:.4f} (no BF16 floor measured: --no-floor){gate}")
+    else:
+        parts.append("log-prob gap not measured (--no-behavioral)")
+    return {"ok": ok, "gap_over_floor": ratio, "line": ("PASS: " if ok else "FAIL: ") + "; ".join(parts)}
+
+
+def output_files(out: Path) -> list[tuple[str, int, str]]:
+    """Every file under the apply output ``out``: ``(relative path, bytes, what it is)``, sorted."""
+    rows = []
+    for f in sorted(x for x in Path(out).rglob("*") if x.is_file()):
+        rel = f.relative_to(out).as_posix()
+        rows.append((rel, f.stat().st_size, OUTPUT_FILES.get(rel, "plot" if rel.endswith(".png") else "")))
+    return rows
 
 
 def write_report(tmp: Path, report: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from qpass.calibration.source import CalibrationError
+from qpass.progress import track
 
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.\d+\.(?P<role>[^.]+)$")
 
@@ -64,7 +65,7 @@ def site_inputs(model: torch.nn.Module, sites: Iterable[str], batches: Sequence[
     device = next(model.parameters()).device
     try:
         with torch.no_grad():
-            for ids in batches:
+            for ids in track(batches, "calibration forwards of the unquantized model", unit="prompt"):
                 model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device))
     finally:
         for h in hooks:

@@ -133,7 +133,7 @@ def quantize_state_dict(
 
     Every 2-D ``<site>.weight`` whose site matches ``targets`` and not ``exclude`` and whose K is a
     multiple of 16 is quantized with :func:`qpass.quant.weights.quantize_site_weights` (fresh amax,
-    SPEC rule 2); fused groups (q/k/v, gate/up) share one amax; other tensors pass through unchanged.
+    SPEC §3 rule 2); fused groups (q/k/v, gate/up) share one amax; other tensors pass through unchanged.
 
     Args:
         state: ``{HF name: tensor}`` (full, unsharded weights).

@@ -20,6 +20,7 @@ import torch
 
 from qpass.diagnostics.metrics import MismatchMetrics, mismatch_metrics
 from qpass.graph.qgraph import QGraph
+from qpass.progress import phase, track
 from qpass.runtime.engine import LearnerEngine, RolloutEngine, as_learner_engine, as_rollout_engine
 
 
@@ -67,6 +68,7 @@ def logprob_gap(
     top_p: float = 1.0,
     seed: int = 0,
     routing: bool = False,
+    progress: str = "sample from the rollout, score with the learner",
 ) -> GapResult:
     """Sample ``samples_per_prompt`` responses per prompt from ``rollout`` and score them with ``learner``.
 
@@ -78,6 +80,8 @@ def logprob_gap(
     (``GapResult.replay``) and the per-layer routing mismatch between the rollout's and the
     learner's own routes over valid tokens of real rows (``GapResult.routing_mismatch``:
     ``{layer: {"mismatch": fraction, "tokens": n}}`` plus ``"mean"`` over layers).
+
+    ``progress`` names the phase (:mod:`qpass.progress`; one unit per batch of the rollout engine).
 
     Raises:
         RoutingError: (``routing``) the rollout recorded no routes (an engine that does not run
@@ -91,13 +95,13 @@ def logprob_gap(
     logp_all, logq_all, mask_all, batches, logp_rep = [], [], [], [], []
     routes = _Routes(routing)
     wall, ntok = 0.0, 0
-    for i in range(0, len(rows), ro.batch_size):
+    for i in track(range(0, len(rows), ro.batch_size), progress, unit="batch"):
         chunk = rows[i:i + ro.batch_size]
         t0 = time.perf_counter()
         with routes.record() as ro_tape:
             b = ro.generate(chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
         wall += time.perf_counter() - t0
-        with routes.record() as le_tape:
+        with routes.record() as le_tape, phase("score with the learner"):
             lp = le.token_logprobs(b.input_ids, b.attention_mask, temperature=temperature, top_p=top_p)[:, b.prompt_len - 1:]
         r = max_new_tokens
         pad = lambda t, v: torch.nn.functional.pad(t, (0, r - t.shape[1]), value=v)  # noqa: E731

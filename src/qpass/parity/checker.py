@@ -29,6 +29,7 @@ from qpass.graph.sites import LINEAR_TARGETS
 from qpass.quant import qdq  # noqa: F401
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
 from qpass.parity.object import ParityDiff, compare_parity, parity_object, parity_object_from_parts
+from qpass.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_diverge
         if rec.lowered and _nvfp4_weight(rec.spec):
             groups.setdefault(rec.group, []).append(sid)
     out, skipped = [], []
-    for gid, sids in groups.items():
+    for gid, sids in track(groups.items(), "bit-level weight parity", unit="group"):
         if any(s not in learner.quant or not learner.quant[s].weight_fake_quant for s in sids):
             skipped.append(gid)
             continue

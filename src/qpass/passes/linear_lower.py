@@ -42,6 +42,7 @@ from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
 from qpass.errors import PassError
 from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.progress import track
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
 
@@ -79,7 +80,7 @@ class LinearLower(Pass):
         act_amax = self._static_amax(groups, aspec, ctx)
         g = qg.gm.graph
         flushed: dict[str, int] = {}
-        for gid, members in groups.items():
+        for gid, members in track(groups.items(), f"{self.name}: quantize and lower", unit="group"):
             nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
             for s in members:
                 if not nodes[s.id]:

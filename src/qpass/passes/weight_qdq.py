@@ -6,7 +6,7 @@ Before::
     y = aten.linear(x, w)
 
 After (one ``group_amax`` per fused group, recomputed on every forward from the current weights,
-SPEC rule 2)::
+SPEC §3 rule 2)::
 
     amax = qpass.group_amax([w_q, w_k, w_v])
     w_hat = qpass.nvfp4_qdq(w_q, amax, "model.layers.0.self_attn.q_proj")

@@ -165,7 +165,7 @@ def nvfp4_quantize(
             or ``x.shape[:-1] + (1,)`` for per_token). ``None`` means
             ``max|x|`` over ``x`` and every tensor in ``group`` (per row if
             ``spec.global_scope == 'per_token'``). A given amax smaller than ``max|x|`` is stale
-            (SPEC rule 2) and raises.
+            (SPEC §3 rule 2) and raises.
         group: other members of ``x``'s quantization group (e.g. the k and v weights when ``x`` is
             q): the amax is taken over all of them, so each member quantizes as its slice of the
             fused tensor.
@@ -333,7 +333,7 @@ def _check_amax(amax: torch.Tensor, x: torch.Tensor, per_token: bool, name: str 
     if bool((amax < actual).any()):
         raise QuantizationError(
             f"stale amax for {where}: given amax={float(amax.max()):.9g} < current max|x|={float(actual.max()):.9g}; "
-            "block scales would exceed 448 and saturate (SPEC rule 2: recompute amax from the current tensor)"
+            "block scales would exceed 448 and saturate (SPEC §3 rule 2: recompute amax from the current tensor)"
         )
 
 

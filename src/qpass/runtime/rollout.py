@@ -18,6 +18,7 @@ import torch
 
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
+from qpass.progress import phase
 from qpass.runtime.cuda_graph import DecodeGraph
 from qpass.runtime.prefill import left_pad, step_prefill_args
 from qpass.sampling import sampling_logprobs
@@ -124,23 +125,27 @@ class TorchRollout:
         ids, pos, cpos, mask = self._prefill(prompts, dev)
         gen = torch.Generator(device=dev).manual_seed(seed)
         eos = self.eos.to(dev)
-        logits = self.gm(ids, pos, cpos, mask)[:, -1]
+        with phase("prefill"):
+            logits = self.gm(ids, pos, cpos, mask)[:, -1]
         out_tok, out_lp, out_valid = [], [], []
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         last_pos = pos[:, -1]
-        for t in range(max_new_tokens):
-            lp = sampling_logprobs(logits, temperature, top_p)
-            tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(-1)
-            tok = torch.where(alive, tok, torch.full_like(tok, self.pad))
-            out_tok.append(tok)
-            out_lp.append(torch.where(alive, lp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), torch.zeros_like(tok, dtype=torch.float32)))
-            out_valid.append(alive.clone())
-            mask[:, p + t] = alive.long()
-            alive = alive & ~torch.isin(tok, eos)
-            if t == max_new_tokens - 1 or not bool(alive.any()):
-                break
-            last_pos = last_pos + 1
-            logits = self.decode(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
+        with phase("decode", total=max_new_tokens, unit="token") as ph:
+            for t in range(max_new_tokens):
+                lp = sampling_logprobs(logits, temperature, top_p)
+                tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(-1)
+                tok = torch.where(alive, tok, torch.full_like(tok, self.pad))
+                out_tok.append(tok)
+                out_lp.append(torch.where(alive, lp.gather(-1, tok.unsqueeze(-1)).squeeze(-1),
+                                          torch.zeros_like(tok, dtype=torch.float32)))
+                out_valid.append(alive.clone())
+                mask[:, p + t] = alive.long()
+                alive = alive & ~torch.isin(tok, eos)
+                ph.advance()
+                if t == max_new_tokens - 1 or not bool(alive.any()):
+                    break
+                last_pos = last_pos + 1
+                logits = self.decode(tok.unsqueeze(-1), last_pos.unsqueeze(-1), torch.tensor([p + t], device=dev), mask)[:, -1]
         resp = torch.stack(out_tok, 1)
         valid = torch.stack(out_valid, 1)
         full_ids = torch.cat([ids, resp], 1)

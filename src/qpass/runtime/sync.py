@@ -1,6 +1,6 @@
 """Weight sync learner -> rollout: re-quantize from the current master weights (fresh amax).
 
-SPEC rules 2-3: the rollout receives codes, scale bytes and global scales produced by the one
+SPEC §3 rules 2-3: the rollout receives codes, scale bytes and global scales produced by the one
 reference quantizer from the learner's current weights; it never re-quantizes BF16 weights itself
 and never reuses a stale amax. Unquantized parameters (norms, embeddings, lm_head) are copied.
 """
@@ -16,6 +16,7 @@ import torch
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
+from qpass.progress import track
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
 
@@ -61,7 +62,7 @@ def sync_weights(learner: QGraph | Mapping[str, torch.Tensor], rollout: QGraph) 
     for rec in rollout.quant.values():
         if rec.lowered:
             groups.setdefault(rec.group, []).append(rec)
-    for gid, recs in groups.items():
+    for gid, recs in track(groups.items(), "weight sync: re-quantize the rollout weights", unit="group"):
         weights = {}
         for rec in recs:
             if rec.weight not in lparams:

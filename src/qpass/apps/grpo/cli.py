@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.apps.cliutil import add_dtype, add_force, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
+from qpass.apps.cliutil import DefaultsHelpFormatter, add_dtype, add_force, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
 from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
@@ -46,9 +46,51 @@ log = logging.getLogger("qpass.apps.grpo.cli")
 __all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_main", "main"]
 
 
-# --------------------------------------------------------------------------- argument types
+# --------------------------------------------------------------------------- presets
 
 
+@dataclasses.dataclass(frozen=True)
+class GrpoPreset:
+    """A named set of ``qpass grpo`` defaults (``--preset NAME``); flags given on the command line override them.
+
+    Attributes:
+        name: the ``--preset`` value.
+        description: one line for ``--help``.
+        values: ``{argparse dest: value}`` (every key must be an option of :func:`build_grpo_parser`).
+    """
+
+    name: str
+    description: str
+    values: dict[str, Any]
+
+
+#: ``qpass grpo --preset``: smoke = a real run (load, capture, both graphs, sampling, reward, update, weight sync,
+#: the final bit-level parity check, plots) at sizes where the update still runs; measured in docs/RESULTS.md
+#: ("First hour"). The heavy default diagnostics (400-prompt eval, layer-wise probe, BF16 shadow) are off.
+GRPO_PRESETS: dict[str, GrpoPreset] = {p.name: p for p in (
+    GrpoPreset("smoke", "a real 2-step run on the default model (about 3.5 CPU-minutes single-threaded): the 'larger' task "
+               "with its few-shot prompt (the calibrated task of the long runs) sampled at temperature 0.5, so the untrained "
+               "model is right often enough that rewards differ and the update runs; 1 prompt x 4 responses of <= 6 tokens per "
+               "step (sampling, reward, update, weight sync) and the bit-level parity check on the last step; no held-out eval, "
+               "no BF16 shadow, no layer-wise probe",
+               {"steps": 2, "task": "larger", "template": "larger_fewshot", "temperature": 0.5, "reward": "first",
+                "prompts_per_step": 1, "group_size": 4, "max_new_tokens": 6, "n_train": 64, "n_eval": 8, "eval_every": 0,
+                "diag_every": 0, "bitexact_every": 0, "no_initial_check": True, "no_shadow": True}),
+)}
+
+
+def _apply_preset(ap: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """Read ``--preset`` from ``argv`` and make its values the parser's defaults (explicit flags still win).
+
+    Returns the preset's name (None: no preset).
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(GRPO_PRESETS), default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    if known.preset is None:
+        return None
+    ap.set_defaults(**GRPO_PRESETS[known.preset].values)
+    return known.preset
 
 
 def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
@@ -62,9 +104,13 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     D = GRPOConfig()  # noqa: N806
     L, C = D.loss, D.loss.correction  # noqa: N806
     ap = argparse.ArgumentParser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
-                                 "logs SPEC §4 mismatch diagnostics per step.")
+                                 "logs SPEC §4 mismatch diagnostics per step.", formatter_class=DefaultsHelpFormatter)
     g = ap.add_argument_group("run")
     g.add_argument("--recipe", required=True, help="recipe name or YAML path; a comma list runs each (one model load)")
+    g.add_argument("--preset", default=None, choices=sorted(GRPO_PRESETS),
+                   help="a named set of defaults (flags given override it; default: none): "
+                        + "; ".join(f"{p.name}: {p.description} ({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in p.values.items())})"
+                                    for p in GRPO_PRESETS.values()))
     g.add_argument("--model", default="default", help="'default' (SmolLM2-135M GGUF), a .gguf file or an HF model directory")
     g.add_argument("--steps", type=_pos_int, default=D.steps, help=f"GRPO steps per recipe (default {D.steps})")
     g.add_argument("--out", required=True, type=Path, help="run directory (several recipes: parent of one dir per recipe)")
@@ -80,12 +126,12 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--seed", type=seed_int, default=D.seed)
     add_force(g, "summary.json", "--overwrite")
     g.add_argument("--keep-partial", action="store_true", help="on error/Ctrl-C keep what was written as DIR.partial")
-    g.add_argument("--max-time-s", type=_pos_float, default=None, help="time budget per recipe (seconds)")
+    g.add_argument("--max-time-s", type=_pos_float, default=None, help="time budget per recipe (seconds; default: none)")
     g.add_argument("--total-time-s", type=_pos_float, default=None,
-                   help="time budget for everything incl. model load; split evenly over the remaining recipes")
+                   help="time budget for everything incl. model load; split evenly over the remaining recipes (default: none)")
     add_threads(g)
     add_rollout_engine(g)
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress display (phases, steps, ETA)")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
     g.add_argument("--cuda-graphs", default=D.cuda_graphs, choices=list(CUDA_GRAPH_MODES),
                    help="decode step of the rollout (and BF16 shadow) engine under CUDA graphs (CPU: always eager)")
@@ -93,12 +139,13 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("long runs (checkpoint / resume)")
     g.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="save the run's state to DIR/<recipe>.ckpt at the end of this command (and every --checkpoint-every steps)")
+                   help="save the run's state to DIR/<recipe>.ckpt at the end of this command (and every --checkpoint-every steps; "
+                        "default: no checkpoint)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="also save every N steps (0: only at the end)")
     g.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint-dir/<recipe>.ckpt where it exists (same flags; --steps is the run's total)")
     g.add_argument("--segment-steps", type=_pos_int, default=None,
-                   help="run at most N steps in this command (chain commands with --resume)")
+                   help="run at most N steps in this command (chain commands with --resume; default: all remaining)")
 
     g = ap.add_argument_group("sampling")
     g.add_argument("--prompts-per-step", type=_pos_int, default=D.prompts_per_step)
@@ -140,7 +187,8 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--difficulty", type=int, default=2, choices=[1, 2, 3, 4],
                    help="arithmetic preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
     g.add_argument("--operators", default=None,
-                   help="override the arithmetic preset's operators, comma list of + - * (e.g. '+': addition only)")
+                   help="override the arithmetic preset's operators, comma list of + - * (e.g. '+': addition only; "
+                        "default: the preset's)")
     g.add_argument("--template", default=None, choices=list(TEMPLATES),
                    help="prompt template (qpass.rl.task.TEMPLATES; default: the task's own, qpass.rl.task.KINDS): "
                         "default asks for reasoning + 'Answer:', terse for the integer only")
@@ -161,7 +209,8 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--diag-every", type=_nonneg_int, default=D.diag_every, help="layer-wise probe + decoded visibility every N steps")
     g.add_argument("--eval-every", type=_nonneg_int, default=D.eval_every, help="held-out eval every N steps (0: never)")
     g.add_argument("--eval-prompts", type=_nonneg_int, default=D.eval_prompts)
-    g.add_argument("--eval-max-new-tokens", type=_pos_int, default=D.eval_max_new_tokens)
+    g.add_argument("--eval-max-new-tokens", type=_pos_int, default=D.eval_max_new_tokens,
+                   help="response budget of the held-out eval (default: --max-new-tokens)")
     g.add_argument("--eval-temperature", type=_nonneg_float, default=D.eval_temperature, help="0 = greedy")
     g.add_argument("--ess-cap", type=_pos_float, default=D.ess_cap)
 
@@ -177,7 +226,8 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
 
 def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
     """The ``qpass grpo-plot`` argument parser."""
-    ap = argparse.ArgumentParser(prog=prog, description="Overlay GRPO runs (gap, reward, eval accuracy vs step).")
+    ap = argparse.ArgumentParser(prog=prog, description="Overlay GRPO runs (gap, reward, eval accuracy vs step).",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
     ap.add_argument("--out", required=True, type=Path, help="output image (PNG)")
     ap.add_argument("--metric", action="append", default=None,
@@ -186,7 +236,7 @@ def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
                     help="panel set: default (gap, max|d|, reward, eval) or quads (QUADS Fig. 1/6 curves + clip "
                          "fraction per advantage sign + clip-branch disagreement); --metric overrides")
     ap.add_argument("--smooth", type=_pos_int, default=1, help="moving-average window")
-    ap.add_argument("--title", default=None)
+    ap.add_argument("--title", default=None, help="figure title (default: none)")
     add_verbose(ap)
     return ap
 
@@ -447,11 +497,20 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
     130: interrupted (Ctrl-C), nothing half-written left at the output path.
     """
     ap = build_grpo_parser()
+    argv_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+        _apply_preset(ap, argv_list)
+        a = ap.parse_args(argv_list)
     except SystemExit as exc:
         return _exit_code(exc)
-    argv_list = list(sys.argv[1:] if argv is None else argv)
+    from qpass.apps.progress import command_progress
+
+    with command_progress(enabled=not a.no_progress):
+        return _grpo_main(ap, a, argv_list)
+
+
+def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: list[str]) -> int:
+    """:func:`grpo_main` after the arguments are parsed (inside the progress reporter)."""
     t_start = time.perf_counter()
     from qpass.atomic import check_output_path
     from qpass.errors import QpassError
@@ -527,7 +586,10 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             raise CliError(f"task: {exc}") from exc
         if a.template is None:
             a.template = KINDS[task.cfg.kind].template
-        lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
+        from qpass.progress import phase
+
+        with phase(f"load the model ({a.model})"):
+            lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
         _check_learner_model(a, lm.model.config)
         if calibration is not None:
             try:

@@ -85,6 +85,7 @@ import torch
 
 from qpass.diagnostics import clip_branch_disagreement, mismatch_metrics, update_visibility_groups
 from qpass.graph.qgraph import QGraph
+from qpass.progress import phase
 from qpass.prompts import encode_chat
 from qpass.quant.reuse import ReuseStore, reuse_weight_quantization
 from qpass.rl.experience import Experience, assemble, decode_responses, micro_batches, response_logprobs
@@ -525,7 +526,15 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checks
     def initial_checks(self) -> dict[str, Any]:
-        """Parity of the freshly built graphs, baseline eval and layer-wise probe (step 0)."""
+        """Parity of the freshly built graphs, baseline eval and layer-wise probe (step 0): one phase, a unit per part."""
+        parts = [name for name, on in (("parity", self.cfg.initial_check and self.aligned),
+                                       ("served bytes", self.cfg.initial_check and self.external),
+                                       ("eval", self._eval_set is not None), ("layer-wise probe", bool(self.cfg.diag_every))) if on]
+        label = f"grpo {self.recipe_name}".strip()
+        with phase(f"{label}: step 0 ({', '.join(parts) or 'nothing to check'})", total=len(parts), unit="part") as ph:
+            return self._initial_checks(ph)
+
+    def _initial_checks(self, ph: Any) -> dict[str, Any]:
         from qpass.parity.checker import check_structural, check_weights_bitexact
 
         out: dict[str, Any] = {"step": 0}
@@ -538,16 +547,20 @@ class GRPOTrainer:
                         "parity/bitexact_failures": br.failures()[:5], "time/initial_check_s": time.perf_counter() - t0})
             if not (st.ok and br.ok):
                 self._parity_failure(f"initial parity failed: {st.problems[:3]} {br.failures()[:3]}")
+            ph.advance(note="parity")
         if self.cfg.initial_check and self.external:
             served = self._served_checks(self.le.export_weights())
             out.update(served)
             if not (served["parity/served_ok"] and served.get("parity/learner_bytes_ok", True)):
                 self._parity_failure(f"initial served-bytes check failed: {served['parity/served_mismatches'][:3]} "
                                      f"{served.get('parity/learner_bytes_mismatches', [])[:3]}")
+            ph.advance(note="served bytes")
         if self._eval_set is not None:
             out.update(self._eval(0))
+            ph.advance(note=f"eval accuracy {out.get('eval/accuracy', float('nan')):.3f}")
         if self.cfg.diag_every:
             out.update(self._layerwise(0))
+            ph.advance(note="layer-wise probe")
         return out
 
     def _mirror(self, weights: dict[str, torch.Tensor]) -> None:
@@ -933,13 +946,17 @@ class GRPOTrainer:
             steps: at most this many steps in this call (>= 1; default: all remaining); a call
                 that stops before ``cfg.steps`` this way runs no final checks (the run goes on
                 after a resume), so a chained run's rows equal an unchained run's.
-            progress: show a tqdm progress bar (stderr).
+            progress: report the steps as a phase (:mod:`qpass.progress`; shown by the ``qpass grpo``
+                command's reporter: a progress bar on a terminal, plain lines otherwise); False: silence.
             on_step: called with each row after it is written.
         Raises:
             ValueError: ``steps < 1``, or the run is already complete. ParityError: see :meth:`step`.
         """
-        from tqdm.auto import tqdm
+        from qpass.progress import reporting
 
+        if not progress:
+            with reporting(None):
+                return self.run(steps, progress=True, on_step=on_step)
         remaining = self.cfg.steps - self.step_idx
         if remaining < 1:
             raise ValueError(f"the run is complete: step {self.step_idx} of {self.cfg.steps}")
@@ -957,8 +974,8 @@ class GRPOTrainer:
         rows: list[dict[str, Any]] = []
         stop = "completed" if n == remaining else "segment"
         self._final_done = False
-        bar = tqdm(total=n, disable=not progress, desc=f"grpo {self.recipe_name}".strip(), unit="step", dynamic_ncols=True)
-        try:
+        label = f"grpo {self.recipe_name}".strip()
+        with phase(f"{label}: steps {self.step_idx + 1}-{self.step_idx + n} of {self.cfg.steps}", total=n, unit="step") as bar:
             for i in range(n):
                 elapsed = time.perf_counter() - t_start
                 prev = rows[-1]["time/step_s"] if rows else None
@@ -970,14 +987,11 @@ class GRPOTrainer:
                 last = self.step_idx + 1 == self.cfg.steps or over
                 row = self.step(final=last)
                 rows.append(row)
-                bar.update(1)
-                bar.set_postfix({"reward": f"{row['reward/mean']:.3f}", "G_abs": f"{_num(row.get('gap/token/g_abs')):.4f}"})
+                bar.advance(note=f"reward {row['reward/mean']:.3f}, G_abs {_num(row.get('gap/token/g_abs')):.4f}")
                 if on_step is not None:
                     on_step(row)
                 if over and i < n - 1:
                     stop = "time budget"
                     break
-        finally:
-            bar.close()
         final = self.final_checks() if rows and stop != "segment" and not self._final_done else {}
         return GRPOResult(rows, initial, final, stop, time.perf_counter() - t_start)

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from qpass.apps.plot_style import readable_log_ticks
 from qpass.atomic import write_atomic
 from qpass.apps.grpo.jsonl import read_jsonl
 
-__all__ = ["DEFAULT_PANELS", "PRESETS", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
+__all__ = ["DEFAULT_PANELS", "PRESETS", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs", "runs_figure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,24 @@ def _smooth(ys: list[float], k: int) -> list[float]:
     return out
 
 
+def _frame_sparse(ax: Any, series: list[tuple[list[int], list[float]]], log_y: bool) -> None:
+    """Axis limits for a panel whose data is one step or one value (matplotlib's automatic limits then
+    collapse to a point or pick a range of +-1e-x around it): one step either side, and a y range of a
+    factor 2 (log) or +-10 % (at least 0.05) around a constant value."""
+    xs = {x for sx, _ in series for x in sx}
+    ys = [y for _, sy in series for y in sy]
+    if len(xs) == 1:
+        x = next(iter(xs))
+        ax.set_xlim(x - 1, x + 1)
+    if ys and max(ys) == min(ys):
+        y = ys[0]
+        if log_y:
+            ax.set_ylim(y / 2, y * 2)
+        else:
+            pad = max(abs(y) * 0.1, 0.05)
+            ax.set_ylim(y - pad, y + pad)
+
+
 def plot_runs(
     run_dirs: Sequence[str | Path],
     out: str | Path,
@@ -138,6 +157,28 @@ def plot_runs(
         ValueError: no run directories, ``smooth < 1`` or an unknown preset.
         FileNotFoundError: see :func:`load_run`.
     """
+    fig = runs_figure(run_dirs, panels=panels, smooth=smooth, title=title, preset=preset)  # selects the Agg backend
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, dpi=110, format=out.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    write_atomic(out, buf.getvalue())
+    return out
+
+
+def runs_figure(
+    run_dirs: Sequence[str | Path],
+    *,
+    panels: Sequence[Panel] | Sequence[str] | None = None,
+    smooth: int = 1,
+    title: str | None = None,
+    preset: str = "default",
+) -> Any:
+    """The matplotlib figure :func:`plot_runs` saves (same arguments, same errors)."""
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
     if smooth < 1:
@@ -153,12 +194,13 @@ def plot_runs(
     runs = [load_run(d) for d in run_dirs]
     ncol = 2 if len(ps) > 1 else 1
     nrow = math.ceil(len(ps) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 3.6 * nrow), squeeze=False)
+    # constrained layout keeps the suptitle above the first row's panel titles
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 3.6 * nrow), squeeze=False, layout="constrained")
     from matplotlib.ticker import MaxNLocator
 
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     for ax, panel in zip(axes.flat, ps):
-        drawn = False
+        drawn: list[tuple[list[int], list[float]]] = []
         for k, run in enumerate(runs):
             xs, ys = run.series(panel.key)
             if not xs:
@@ -168,29 +210,34 @@ def plot_runs(
                 xs, ys = list(xs), list(ys)
                 if not xs:
                     continue
-            ax.plot(xs, _smooth(ys, smooth), marker="o" if len(xs) <= 30 else None, markersize=3, label=run.label,
+            ys = _smooth(ys, smooth)
+            few = len(xs) <= 2
+            ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=6 if few else 3, label=run.label,
                     color=colors[k % len(colors)])  # one color per run in every panel
-            drawn = True
+            if few:  # one or two points: print the values, a lone marker says little on its own
+                for x, y in zip(xs, ys):
+                    ax.annotate(f"{y:.4g}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=7,
+                                color=colors[k % len(colors)])
+            drawn.append((xs, ys))
         ax.set_title(panel.title, fontsize=9)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.log_y and drawn:
             ax.set_yscale("log")
         if drawn:
+            if max(len(sx) for sx, _ in drawn) <= 2:
+                ax.margins(x=0.15, y=0.25)  # room for the value labels
+            _frame_sparse(ax, drawn, panel.log_y)
+            if panel.log_y:
+                readable_log_ticks(ax)
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, f"no data for {panel.key}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(ps):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, dpi=110, format=out.suffix.lstrip(".") or "png")
-    finally:
-        plt.close(fig)
-    write_atomic(out, buf.getvalue())
-    return out
+    return fig

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from qpass.progress import track
 from qpass.diagnostics.capture import capture_linear_inputs
 from qpass.diagnostics.layerwise import SiteMismatch, layerwise_mismatch
 from qpass.graph.qgraph import QGraph
@@ -202,7 +203,7 @@ def evaluate(
     temp, top_p = (1.0, GREEDY_TOP_P) if temperature == 0 else (float(temperature), 1.0)
     chunks = []
     b = rollout.batch_size
-    for i in range(0, len(prompts), b):
+    for i in track(range(0, len(prompts), b), f"held-out eval ({len(prompts)} prompts)", unit="batch"):
         chunks.append(rollout.generate(list(prompts[i:i + b]), max_new_tokens=max_new_tokens, temperature=temp,
                                        top_p=top_p, seed=seed + i))
     exp = assemble(chunks, pad_token_id=rollout.pad_token_id, eos_token_ids=rollout.eos_token_ids, max_new_tokens=max_new_tokens)

@@ -643,30 +643,30 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Pat
 
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    from qpass.apps.cliutil import add_force, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
 
     p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf path (default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--kernels", default="reference", choices=("reference", "triton"))
-    p.add_argument("--prompts", type=pos_int, default=None, help="probe prompts (full: 24 = the whole probe set, quick: 2)")
-    p.add_argument("--max-new-tokens", type=pos_int, default=None, help="response length (full: 32, quick: 3)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the graphs run")
+    p.add_argument("--kernels", default="reference", choices=("reference", "triton"), help="rollout op implementations")
+    p.add_argument("--prompts", type=pos_int, default=None, help="probe prompts (default: 24 = the whole probe set; --quick: 2)")
+    p.add_argument("--max-new-tokens", type=pos_int, default=None, help="response length (default: 32; --quick: 3)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests (layer 0 quantized, k in {0,50,100}%%)")
-    p.add_argument("--ratios", default=None, help="RAC k list in percent, comma-separated (full: 0,12.5,25,50,75,100)")
-    p.add_argument("--layers", type=pos_int, default=None, help="quantize only decoder layers [0, L) (full: all, quick: 1)")
+    p.add_argument("--ratios", default=None, help="RAC k list in percent, comma-separated (default: 0,12.5,25,50,75,100; --quick: 0,50,100)")
+    p.add_argument("--layers", type=pos_int, default=None, help="quantize only decoder layers [0, L) (default: all; --quick: 1)")
     p.add_argument("--batch-size", type=pos_int, default=None, help="static rollout batch (default: min(prompts, 24))")
-    p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--temperature", type=pos_float, default=1.0)
-    p.add_argument("--top-p", type=pos_float, default=1.0)
-    p.add_argument("--budget-s", type=pos_float, default=None, help="wall-clock budget; later RAC configs are skipped")
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed")
+    p.add_argument("--temperature", type=pos_float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=pos_float, default=1.0, help="sampling top-p, in (0, 1]")
+    p.add_argument("--budget-s", type=pos_float, default=None, help="wall-clock budget; later RAC configs are skipped (default: none)")
     p.add_argument("--bootstrap", type=pos_int, default=2000, help="paired-bootstrap resamples")
     add_threads(p)
     add_force(p, "study.json")
     add_verbose(p)
     add_rollout_engine(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

@@ -76,7 +76,7 @@ def _parallel_linear_types() -> tuple[type, type]:
 
 
 def group_amax_of(layer: torch.nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 0-dim group amax of ``layer`` (fresh: from the current weights, SPEC rule 2)."""
+    """float32 0-dim group amax of ``layer`` (fresh: from the current weights, SPEC §3 rule 2)."""
     st: NVFP4WeightQuant = layer.qpass_nvfp4
     w = layer.weight if weight is None else weight
     amax = tensor_amax(w)

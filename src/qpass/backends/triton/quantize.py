@@ -156,7 +156,7 @@ def nvfp4_quantize_triton(
             if bool((amax_k < actual).any()):
                 raise QuantizationError(
                     f"stale amax for {describe(name, site)}: given amax={float(amax_k.max()):.9g} < current "
-                    f"max|x|={float(actual.max()):.9g}; block scales would exceed 448 and saturate (SPEC rule 2)"
+                    f"max|x|={float(actual.max()):.9g}; block scales would exceed 448 and saturate (SPEC §3 rule 2)"
                 )
     codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(r, k // BLOCK, dtype=torch.uint8, device=dev)

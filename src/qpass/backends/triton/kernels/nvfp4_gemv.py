@@ -199,7 +199,7 @@ def _nvfp4_gemv_kernel(
     acc2 = acc0
     acc3 = acc0
     k_full = (K // BK) * BK
-    step = BK * SPLIT_K
+    step: tl.constexpr = BK * SPLIT_K  # a constexpr: a plain local would be a 1-element array under the interpreter
     # full tiles, the next tile's code words and scale bytes loaded (register double buffer) before
     # this tile is decoded: two tiles of weight bytes in flight per thread instead of one
     k_first = pid_k * BK
