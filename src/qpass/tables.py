@@ -74,7 +74,8 @@ class LearnerQDQ:
     """How the learner fake-quantizes one spec.
 
     Attributes:
-        ops: role (``weight``/``activation``) -> the custom op the learner graph carries
+        ops: role (``weight``/``activation``; ``linear``: the factored weight-QDQ linear that
+            ``weight_qdq`` emits where the spec has one, SPEC §3.1) -> the custom op
             (``qpass::nvfp4_qdq`` ...).
         fn: ``fn(spec, x, amax=None, site="") -> x_hat`` (same dtype as ``x``, STE backward).
     """

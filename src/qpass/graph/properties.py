@@ -57,9 +57,9 @@ def _sites_stamped(qg: QGraph) -> list[str]:
 @graph_property("weight_qdq")
 def _weight_qdq(qg: QGraph) -> list[str]:
     q = _ops()
-    nodes = qg.call_nodes(q.nvfp4_qdq.default)
+    nodes = qg.call_nodes(q.nvfp4_qdq_linear.default)
     if not nodes:
-        return ["no qpass::nvfp4_qdq node in the graph"]
+        return ["no qpass::nvfp4_qdq_linear node in the graph"]
     bad = []
     for n in nodes:
         a = op_args(n)
@@ -68,9 +68,8 @@ def _weight_qdq(qg: QGraph) -> list[str]:
             bad.append(f"{n.name}: amax input is not a qpass::group_amax node")
         elif a["w"] not in op_args(amax)["tensors"]:
             bad.append(f"{n.name}: its weight is not a member of its group_amax")
-        for user in n.users:
-            if not (user.op == "call_function" and user.target in LINEAR_TARGETS and user.args[1] is n):
-                bad.append(f"{n.name}: feeds {user.name}, which is not a linear weight input")
+        if a["site"] != n.meta.get("qpass_linear_site"):
+            bad.append(f"{n.name}: site argument {a['site']!r} != stamp {n.meta.get('qpass_linear_site')!r}")
     return bad
 
 

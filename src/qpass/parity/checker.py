@@ -1,13 +1,14 @@
 """Learner/rollout parity checker: structural and bit-level checks on two rewritten graphs.
 
 * **structural**: every rollout site quantized with NVFP4 weights has a learner site whose graph
-  feeds its linear through ``qpass.nvfp4_qdq`` with the same spec and the same fused group (read off
+  runs its linear as ``qpass.nvfp4_qdq_linear`` with the same spec and the same fused group (read off
   the learner graph's ``group_amax`` inputs, not trusted from metadata); and the site-level dataflow
   of both graphs (which linear's output reaches which linear's input; built with networkx, KV-cache
   writes followed through the mutated buffer) is the same graph, matched by site id.
 * **bit-level** (``weights_bitexact``): for every weight group, the learner's QDQ and the rollout's
   stored codes / scale bytes / global-scale bits are identical (SPEC §3 rule 4, canonicalised), and
-  the learner op's dequantized weight equals the decode of the rollout's bytes bit for bit. On a
+  the two ops multiply the same operand ``B_W = e2m1 * s_b`` and scale by the same ``S_dec_W`` bits
+  (SPEC §3.1: the learner op's operand vs the rollout's stored bytes, ``torch.equal``). On a
   mismatch the checker names the sites and counts and, when the rollout bytes follow another
   library's arithmetic, which one (:func:`qpass.parity.identify.identify`).
 """
@@ -24,10 +25,9 @@ import torch
 from qpass.formats.spec import NVFP4Spec, nvfp4_weight_spec
 from qpass.graph.opargs import op_args
 from qpass.graph.qgraph import QGraph
-from qpass.ops import WEIGHT_OPERAND_DTYPE
 from qpass.graph.sites import LINEAR_TARGETS
-from qpass.quant import qdq  # noqa: F401
-from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.qdq import learner_weight_operand
+from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_operand, nvfp4_quantize
 from qpass.parity.object import ParityDiff, compare_parity, parity_object, parity_object_from_parts
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class BitexactReport:
                 if not d.ok:
                     out.append(d.summary() + (f" [looks like {g.divergence}]" if g.divergence else ""))
             if not g.dequant_equal and all(d.ok for d in g.diffs):
-                out.append(f"{g.group}: learner QDQ output != the rollout op's decoded weight operand"
+                out.append(f"{g.group}: the learner op's (B_W, S_dec_W) != the rollout op's"
                            + (f" ({'; '.join(g.operand_notes[:2])})" if g.operand_notes else ""))
         return out
 
@@ -106,20 +106,17 @@ def _nvfp4_weight(spec: object) -> bool:
 
 
 def _learner_qdq_sites(learner: QGraph) -> dict[str, dict[str, Any]]:
-    """site -> {spec, group_members (weight attr paths)} read off the learner graph itself."""
-    qdq_op, amax_op = torch.ops.qpass.nvfp4_qdq.default, torch.ops.qpass.group_amax.default
+    """site -> {spec, group_members (weight attr paths)} read off the learner graph itself (its
+    ``qpass::nvfp4_qdq_linear`` nodes and the ``group_amax`` that feeds each)."""
+    amax_op = torch.ops.qpass.group_amax.default
     out: dict[str, dict[str, Any]] = {}
-    for n in learner.gm.graph.nodes:
-        if n.op != "call_function" or n.target not in LINEAR_TARGETS:
-            continue
-        w = op_args(n)["weight"]
-        if isinstance(w, torch.fx.Node) and w.target == qdq_op:
-            site = n.meta.get("qpass_linear_site")
-            wa = op_args(w)
-            amax = wa["amax"]
-            members = [str(m.target) for m in op_args(amax)["tensors"]] if getattr(amax, "target", None) == amax_op else []
-            out[site] = {"spec": nvfp4_weight_spec(wa.get("arithmetic", "te_reference")), "members": sorted(members),
-                         "weight": str(wa["w"].target), "site_arg": wa["site"]}
+    for n in learner.call_nodes(torch.ops.qpass.nvfp4_qdq_linear.default):
+        site = n.meta.get("qpass_linear_site")
+        wa = op_args(n)
+        amax = wa["amax"]
+        members = [str(m.target) for m in op_args(amax)["tensors"]] if getattr(amax, "target", None) == amax_op else []
+        out[site] = {"spec": nvfp4_weight_spec(wa.get("arithmetic", "te_reference")), "members": sorted(members),
+                     "weight": str(wa["w"].target), "site_arg": wa["site"]}
     return out
 
 
@@ -134,7 +131,7 @@ def site_dataflow(qg: QGraph) -> nx.DiGraph:
     """
     from qpass.graph.qgraph import quantized_linear_targets
 
-    lin_targets = set(LINEAR_TARGETS) | set(quantized_linear_targets())
+    lin_targets = set(LINEAR_TARGETS) | set(quantized_linear_targets()) | {torch.ops.qpass.nvfp4_qdq_linear.default}
     up: dict[torch.fx.Node, frozenset[str]] = {}
     g = nx.DiGraph()
     for n in qg.gm.graph.nodes:
@@ -166,7 +163,7 @@ def check_structural(learner: QGraph, rollout: QGraph) -> StructuralReport:
     for sid, rec in rq.items():
         ls = lsites.get(sid)
         if ls is None:
-            problems.append(f"{sid}: rollout uses NVFP4 weights but the learner graph has no nvfp4_qdq on this site")
+            problems.append(f"{sid}: rollout uses NVFP4 weights but the learner graph has no nvfp4_qdq_linear on this site")
             continue
         if ls["site_arg"] != sid:
             problems.append(f"{sid}: learner qdq node carries site {ls['site_arg']!r}")
@@ -204,6 +201,10 @@ def _divergence(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, 
     return ", ".join(res.matches) if res.matches else "no known convention"
 
 
+def _hex(t: torch.Tensor) -> str:
+    return f"0x{int(t.float().reshape(()).view(torch.int32)) & 0xFFFFFFFF:08X}"
+
+
 @torch.no_grad()
 def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_divergence: bool = True) -> BitexactReport:
     """Bit-level parity of every NVFP4 weight group between learner and rollout (see module docstring)."""
@@ -233,18 +234,19 @@ def check_weights_bitexact(learner: QGraph, rollout: QGraph, *, identify_diverge
             theirs = parity_object_from_parts(codes, scales, s_dec, sid)
             d = compare_parity(mine, theirs, sid)
             diffs.append(d)
-            # what each side multiplies: the learner's QDQ output (model dtype) and the rollout op's
-            # decoded weight operand (WEIGHT_OPERAND_DTYPE), compared as exact float32 values
-            w_hat = torch.ops.qpass.nvfp4_qdq(w, amax, sid, lspec.arithmetic)
-            deq = nvfp4_dequantize(NVFP4Tensor.from_parts(codes, scales, s_dec), WEIGHT_OPERAND_DTYPE)
-            same = bool(torch.equal(w_hat.float(), deq.float()))
-            if not same:
-                n_diff = int((w_hat.float() != deq.float()).sum())
-                operand_notes.append(
-                    f"{sid}: learner multiplies {str(w_hat.dtype).removeprefix('torch.')} weights, the rollout op "
-                    f"{str(WEIGHT_OPERAND_DTYPE).removeprefix('torch.')} weights: {n_diff} of {w_hat.numel()} operand values differ"
-                )
-            deq_ok &= same
+            # what each side multiplies (SPEC §3.1): the learner op's operand B_W and epilogue scale
+            # S_dec_W, and the rollout op's B_W of its stored bytes and its S_dec bits
+            b_learn, s_learn = learner_weight_operand(w, amax, sid, lspec.arithmetic)
+            b_roll = nvfp4_operand(NVFP4Tensor.from_parts(codes, scales, s_dec))
+            same_b = bool(torch.equal(b_learn.float(), b_roll))
+            same_s = bool(torch.equal(s_learn.reshape(()).view(torch.int32), s_dec.float().reshape(()).view(torch.int32)))
+            if not same_b:
+                operand_notes.append(f"{sid}: {int((b_learn.float() != b_roll).sum())} of {b_learn.numel()} operand values "
+                                     "B = e2m1 * s_b differ between the learner op and the rollout op")
+            if not same_s:
+                operand_notes.append(f"{sid}: the learner op scales by S_dec bits {_hex(s_learn)}, the rollout op by "
+                                     f"{_hex(s_dec)}")
+            deq_ok &= same_b and same_s
             if (not d.ok) and identify_divergence and div is None:
                 div = _divergence(codes, scales, s_dec, w, amax)
         out.append(GroupParity(gid, sids, diffs, deq_ok, div, operand_notes))

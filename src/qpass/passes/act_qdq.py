@@ -43,7 +43,8 @@ class ActQDQ(Pass):
         g = qg.gm.graph
         spec = NVFP4_ACT_PER_TOKEN if self.options.per_token else NVFP4_ACT
         for s in sites:
-            nodes = [n for n in qg.nodes_of_site(s.id) if n.target in LINEAR_TARGETS]
+            linears = (*LINEAR_TARGETS, torch.ops.qpass.nvfp4_qdq_linear.default)  # aten, or weight_qdq's op: x is arg 0
+            nodes = [n for n in qg.nodes_of_site(s.id) if n.target in linears]
             if not nodes:
                 res.skipped.append((s.id, "no aten.linear node (lowered to a quantized op already)"))
                 continue
