@@ -10,6 +10,9 @@ Ops (namespace ``qpass``):
   ``y = fl(acc(X B_W^T) * S_dec_W)``; STE backward with ``W_hat = B_W * S_dec_W`` as the weight
   (``dL/dW = dL/dW_hat``, ``dL/dX = S_dec_W * (dL/dY B_W)``). What the ``weight_qdq`` pass emits
   (QUADS learner side; no clipping: with a fresh amax every |w| is inside the range).
+* ``qpass::qdq_linear(Tensor x, Tensor w, Tensor? bias, str spec, str site) -> Tensor``: the same for a
+  weight spec without a global scale (FP8, MXFP4): ``y = fl(acc(X W_hat^T))`` with the float32 decode
+  the rollout's reference op multiplies, STE backward.
 * ``qpass::nvfp4_qdq(Tensor w, Tensor amax, str site) -> Tensor``: the materialised ``W_hat =
   DQ(Q(w))`` (SPEC §3 dequant), output dtype = ``w.dtype``, straight-through backward: for
   consumers that need a dense weight (probes, diagnostics), not for the learner's GEMMs.
@@ -260,6 +263,63 @@ def nvfp4_qdq(w: torch.Tensor, amax: torch.Tensor | None = None, site: str = "",
     return nvfp4_qdq_op(w, amax, site, arithmetic)
 
 
+def learner_dense_operand(w: torch.Tensor, spec_key: str, site: str = "") -> torch.Tensor:
+    """The float32 weight operand ``DQ(Q(w))`` of a spec without a factored decode (FP8, MXFP4): what
+    the rollout's reference op multiplies (``fp8_dequantize(w, float32)``; the MXFP4 decode, exact).
+    Memoized inside :func:`qpass.quant.reuse.reuse_weight_quantization`; callers must not write into it."""
+    from qpass.formats.spec import spec_by_key
+    from qpass.tables import backend_quantize
+
+    spec = spec_by_key(spec_key)
+    compute = lambda: backend_quantize(spec, w.detach(), site=site or None, name="weight").dequantize(torch.float32)  # noqa: E731
+    if not reuse_active():
+        return compute()
+    return memo("dense_operand", (w,), (spec_key,), compute)
+
+
+@torch.library.custom_op("qpass::qdq_linear", mutates_args=())
+def qdq_linear_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec: str, site: str) -> torch.Tensor:
+    """The learner's weight-QDQ linear for a weight spec without a global scale (FP8 blocks /
+    per tensor, MXFP4; ``spec`` = its key): ``y = fl(acc(X W_hat^T)) (+ bias)`` with ``W_hat`` the
+    float32 decode the rollout's reference op multiplies (:func:`learner_dense_operand`), so learner
+    and rollout multiply the same weight operand. Backward: the STE (``dL/dW = dY^T X``,
+    ``dL/dX = dY W_hat``). Raises as the spec's quantizer (names the site)."""
+    w_op = learner_dense_operand(w, spec, site)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2.float() @ w_op.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
+@qdq_linear_op.register_fake
+def _qdq_linear_fake(x, w, bias, spec, site):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _dense_linear_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, w, bias, spec, site = inputs
+    ctx.save_for_backward(x, w)
+    ctx.spec, ctx.site, ctx.bias_dtype = spec, site, None if bias is None else bias.dtype
+
+
+def _dense_linear_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+    x, w = ctx.saved_tensors
+    n, k = w.shape
+    g2 = grad.reshape(-1, n).float()
+    gx = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = (g2 @ learner_dense_operand(w, ctx.spec, ctx.site)).reshape(x.shape).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        gw = (g2.t() @ x.reshape(-1, k).float()).to(w.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        gb = g2.sum(0).to(ctx.bias_dtype)
+    return gx, gw, gb, None, None
+
+
+qdq_linear_op.register_autograd(_dense_linear_backward, setup_context=_dense_linear_setup)
+
+
 @torch.library.custom_op("qpass::qdq", mutates_args=())
 def qdq_op(x: torch.Tensor, amax: torch.Tensor | None, spec: str, site: str) -> torch.Tensor:
     """Fake quant ``DQ(Q(x))`` for any canonical spec (``spec`` = its key), output dtype = ``x.dtype``.
@@ -295,10 +355,25 @@ def _register_tables() -> None:
     def generic(spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
         return qdq_op(x, amax, spec.key, site)
 
-    register("learner_qdq", NVFP4Spec)(LearnerQDQ({"weight": "qpass::nvfp4_qdq", "activation": "qpass::nvfp4_act_qdq",
-                                                   "linear": "qpass::nvfp4_qdq_linear"}, nvfp4))
+    def nvfp4_linear_args(spec: NVFP4Spec, x, w, amax, bias, site):  # noqa: ANN001, ANN202
+        return (x, w, amax, bias, site) + (() if spec.arithmetic == "te_reference" else (spec.arithmetic,))
+
+    def nvfp4_act_args(spec: NVFP4Spec, x, site):  # noqa: ANN001, ANN202
+        return (x, site, spec.global_scope == "per_token")
+
+    def generic_linear_args(spec: QuantSpec, x, w, amax, bias, site):  # noqa: ANN001, ANN202
+        return (x, w, bias, spec.key, site)
+
+    def generic_act_args(spec: QuantSpec, x, site):  # noqa: ANN001, ANN202
+        return (x, None, spec.key, site)
+
+    register("learner_qdq", NVFP4Spec, claim=True)(LearnerQDQ(
+        {"weight": "qpass::nvfp4_qdq", "activation": "qpass::nvfp4_act_qdq", "linear": "qpass::nvfp4_qdq_linear"},
+        nvfp4, nvfp4_linear_args, nvfp4_act_args))
     for t in (MXFP4Spec, FP8Spec):
-        register("learner_qdq", t)(LearnerQDQ({"weight": "qpass::qdq", "activation": "qpass::qdq"}, generic))
+        register("learner_qdq", t, claim=True)(LearnerQDQ(
+            {"weight": "qpass::qdq", "activation": "qpass::qdq", "linear": "qpass::qdq_linear"}, generic,
+            generic_linear_args, generic_act_args))
 
 
 _register_tables()

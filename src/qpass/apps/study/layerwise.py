@@ -39,7 +39,9 @@ def _ops() -> tuple[Any, Any, Any]:
     from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear
     from qpass.quant import qdq  # noqa: F401 - registers qpass::nvfp4_act_qdq
 
-    return ((torch.ops.aten.linear.default, torch.ops.qpass.nvfp4_qdq_linear.default), torch.ops.qpass.nvfp4_linear.default,
+    from qpass.graph.qgraph import learner_linear_targets
+
+    return ((torch.ops.aten.linear.default, *learner_linear_targets()), torch.ops.qpass.nvfp4_linear.default,
             torch.ops.qpass.nvfp4_act_qdq.default)
 
 
