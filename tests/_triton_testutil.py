@@ -61,3 +61,14 @@ def rel_fro(y: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ``||y - ref|| / ||ref||`` in float64."""
     ref = ref.double()
     return float((y.double() - ref).norm() / ref.norm())
+
+
+def factored_exact(x, w, bias=None, act=None, rac=None, static=None) -> torch.Tensor:
+    """fp64 value of the factored NVFP4 product (SPEC §3.1) of ``x`` and the quantized ``w``, rows
+    flattened (``qpass.quant.linear.nvfp4_linear_exact``): what the kernels are compared against."""
+    from qpass.ops.calls import NVFP4LinearCall
+    from qpass.quant.linear import nvfp4_linear_exact
+
+    call = NVFP4LinearCall(x=x, weight=w, bias=bias, act=act, rac=rac, rac_channels=static, site="test",
+                           out_dtype=torch.float32)
+    return nvfp4_linear_exact(call)[0]

@@ -170,7 +170,7 @@ def test_static_channels_tie_break_toward_the_lower_channel():
 def test_static_activation_scale_follows_spec3_with_the_calibrated_amax():
     from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_STATIC
     from qpass.quant.linear import w4a4_linear_reference
-    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_static
+    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_operand, nvfp4_quantize, nvfp4_quantize_static
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
@@ -190,11 +190,12 @@ def test_static_activation_scale_follows_spec3_with_the_calibrated_amax():
     assert nvfp4_dequantize(q, torch.float32)[0, 0].item() == ((torch.tensor(6.0) * 448.0) * s_dec).item()
     with pytest.raises(QpassError, match="stale amax"):  # the dynamic quantizer refuses what a static scale accepts
         nvfp4_quantize(xs, amax=cal)
-    # the W4A4 linear with a static scale multiplies that operand
+    # the W4A4 linear with a static scale multiplies that operand (SPEC §3.1: B_X @ B_W^T, alpha once)
     w = nvfp4_quantize(torch.randn(32, 64, generator=g).to(torch.bfloat16))
     y = w4a4_linear_reference(x, w, act_spec=NVFP4_ACT_STATIC, act_amax=torch.tensor(0.5))
-    xq = nvfp4_act_operand(nvfp4_quantize_static(x, torch.tensor(0.5)))
-    assert torch.equal(y, (xq.float() @ nvfp4_dequantize(w).float().t()).to(x.dtype))
+    xq = nvfp4_quantize_static(x, torch.tensor(0.5))
+    alpha = xq.s_dec.float() * w.s_dec.float()
+    assert torch.equal(y, ((nvfp4_operand(xq) @ nvfp4_operand(w).t()) * alpha).to(x.dtype))
     with pytest.raises(QpassError, match="no calibrated amax"):
         w4a4_linear_reference(x, w, act_spec=NVFP4_ACT_STATIC)
 

@@ -31,18 +31,20 @@ def fp32_pipeline():
 
 # -------------------------------------------------------------------------------- parity dtypes
 def test_parity_checker_compares_what_each_side_multiplies(fp32_pipeline, tiny_pipeline):
-    """fp32 model: the learner multiplies fp32-decoded weights, the rollout op bf16-decoded ones."""
+    """The checker compares what each op multiplies, ``B_W`` and the ``S_dec_W`` bits (SPEC §3.1).
+
+    Before the factored decode an fp32 model's learner multiplied fp32-decoded weights and the
+    rollout op bf16-decoded ones (the check failed there by design); now both multiply the exact
+    ``B_W`` and scale by the same ``S_dec_W`` in every model dtype, so the fp32 model passes too (an
+    operand mismatch is still caught: tests/test_factored_decode.py)."""
     from qpass.parity.checker import check_weights_bitexact
 
-    learner, rollout = fp32_pipeline.build(parse_recipe("name: q\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a16_lower\n"))
+    recipe = parse_recipe("name: q\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a16_lower\n")
+    learner, rollout = fp32_pipeline.build(recipe)
     rep = check_weights_bitexact(learner, rollout, identify_divergence=False)
-    assert all(d.ok for g in rep.groups for d in g.diffs)  # the stored bytes agree ...
-    assert not rep.ok and not any(g.dequant_equal for g in rep.groups)  # ... the multiplied operands do not
-    notes = [n for g in rep.groups for n in g.operand_notes]
-    assert notes and "learner multiplies float32 weights, the rollout op bfloat16 weights" in notes[0]
-    assert any("operand" in f for f in rep.failures())
-    # bf16 model: both sides multiply the same bf16 values
-    lb, rb = tiny_pipeline.build(parse_recipe("name: q\nlearner:\n  - pass: weight_qdq\nrollout:\n  - pass: w4a16_lower\n"))
+    assert all(d.ok for g in rep.groups for d in g.diffs)  # the stored bytes agree (incl. the flushed block) ...
+    assert rep.ok and all(g.dequant_equal for g in rep.groups)  # ... and so do the multiplied operands
+    lb, rb = tiny_pipeline.build(recipe)
     assert check_weights_bitexact(lb, rb).ok
 
 
@@ -88,18 +90,22 @@ def test_act_operand_limit_is_the_largest_bf16_inside_the_activation_range():
 
 @pytest.mark.parametrize("act", ["nvfp4", "nvfp4_per_token"])
 def test_fp16_activation_near_fp16_max_stays_finite_in_the_w4a4_op(act):
-    """``qpass::nvfp4_linear`` (reference): 65504 decoded to ~65504.0002, rounded to the bf16 operand
-    65536, times 1.0 gave y = 65536 = inf in fp16 (the fp16 model itself gives 65504). The operand
-    now saturates at 65280; RAC compensates the residual 224 exactly (65280 + 224 = 65504)."""
+    """``qpass::nvfp4_linear`` (reference): 65504 decoded to ~65504.0002, rounded to a bf16 operand
+    65536, times 1.0 gave y = 65536 = inf in fp16 (the fp16 model itself gives 65504). With the
+    factored decode (SPEC §3.1) the GEMM multiplies the exact ``B_X = 6 * 448`` and ``B_W = 6 * 448``
+    and scales once: ``fl(2688^2 * alpha)`` ~65504.0002 rounds to 65504 in fp16. RAC's residual is
+    ``x - bf16(DQ(Q_A(x))) = 65504 - 65536 = -32`` on channel 0 (where it is selected): 65472, finite
+    (a residual against an fp16-clamped 65280 would add 224 to the exact first term: inf)."""
     from qpass import ops  # noqa: F401 - registers torch.ops.qpass
 
     x, q = _fp16_near_max()
     plain = torch.ops.qpass.nvfp4_linear(x, q.codes, q.scales, q.s_dec, None, "s", act, 0.0, "masked", "batch", None)
     assert plain.dtype == torch.float16 and bool(plain.isfinite().all())
-    assert plain[:, 0].tolist() == [65280.0, 65280.0]
-    for mode, sel in (("masked", "batch"), ("gathered", "token")):
+    assert plain[:, 0].tolist() == [65504.0, 65504.0]
+    # gathered/token: row 1 ranks channel 17 (-60000, residual larger than 32) above channel 0
+    for (mode, sel), want in ((("masked", "batch"), [65472.0, 65472.0]), (("gathered", "token"), [65472.0, 65504.0])):
         rac = torch.ops.qpass.nvfp4_linear(x, q.codes, q.scales, q.s_dec, None, "s", act, 0.5, mode, sel, None)
-        assert rac[:, 0].tolist() == [65504.0, 65504.0], (mode, sel)
+        assert bool(rac.isfinite().all()) and rac[:, 0].tolist() == want, (mode, sel)
     # bf16 activations: the operand is the plain bf16 decode (nothing saturates inside the bf16 range)
     from qpass.formats.spec import NVFP4_ACT
     from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_dequantize, nvfp4_quantize
@@ -110,9 +116,9 @@ def test_fp16_activation_near_fp16_max_stays_finite_in_the_w4a4_op(act):
 
 
 def test_fp16_activation_near_fp16_max_triton_kernels_match_the_reference(triton_backend):
-    """The Triton W4A4 kernels (interpreter on CPU) saturate the operand like the reference: same
-    output bits, plain and with RAC (masked: residual re-formed in the kernel; gathered: re-decoded
-    from the activation bytes), and the RAC operands equal ``rac_reference``'s."""
+    """The Triton W4A4 kernels (interpreter on CPU) at the fp16 max: the reference's output bits,
+    plain and with RAC (masked: residual re-formed in the kernel; gathered: re-decoded from the
+    activation bytes), and the RAC parity views equal ``rac_reference``'s (the bf16 dequant 65536)."""
     from qpass.backends.triton import rac_triton, w4a4_linear_triton
     from qpass.formats.spec import NVFP4_ACT
     from qpass.quant.linear import w4a4_linear_reference
@@ -125,7 +131,7 @@ def test_fp16_activation_near_fp16_max_triton_kernels_match_the_reference(triton
         assert bool(got.isfinite().all()) and torch.equal(got, ref), rac
         if rac is not None:
             a, b = rac_triton(x, rac, NVFP4_ACT), rac_reference(x, rac, NVFP4_ACT)
-            assert a.x_hat.float().max().item() == 65280.0
+            assert a.x_hat.float().max().item() == 65536.0
             assert torch.equal(a.x_hat, b.x_hat) and torch.equal(a.comp, b.comp), rac
 
 

@@ -384,9 +384,10 @@ def test_export_dispatches_on_the_onnx_table_by_spec_type(tiny_pipeline, tmp_pat
         rollout_sites_model(rollout, flavour="spec")
 
 
-def test_fp16_site_export_saturates_the_activation_operand_like_the_rollout_op():
-    """An fp16 model's W4A4 site at the fp16 max: the ONNX operand is bounded like ``nvfp4_act_operand``
-    (65280, not 65536), so the exported y equals ``qpass::nvfp4_linear`` bit for bit and is finite."""
+def test_fp16_site_export_at_the_fp16_max_equals_the_rollout_op():
+    """An fp16 model's W4A4 site at the fp16 max: the factored ONNX graph (``B_X``, ``B_W``, ``alpha``;
+    SPEC §3.1) gives ``qpass::nvfp4_linear``'s y bit for bit, finite: 65504 plain, 65472 with RAC (its
+    residual is against the bf16 dequant 65536, as ``rac_reference``'s)."""
     from qpass.formats.spec import NVFP4_ACT, NVFP4_WEIGHT
     from qpass.ops import NVFP4_LINEAR
     from qpass.ops.linear import nvfp4_linear_ref
@@ -404,7 +405,7 @@ def test_fp16_site_export_saturates_the_activation_operand_like_the_rollout_op()
         model, _ = rollout_sites_model([s], flavour="spec", dtype=torch.float16)
         got = run_onnx(model, {"p.x": x})["p.y"]
         assert got.dtype == torch.float16 and torch.equal(got, ref), rac
-        assert got[0, 0].item() == (65280.0 if rac is None else 65504.0)
+        assert got[0, 0].item() == (65504.0 if rac is None else 65472.0)
 
 
 def test_emit_site_linear_rejects_unknown_activation_mode():

@@ -34,7 +34,7 @@ def test_structural_names_group_and_missing_qdq_problems(tiny_pipeline):
     assert any("model.layers.0.self_attn.k_proj: learner fake-quantizes" in p for p in s.problems)
     naive_learner, naive_rollout = tiny_pipeline.build(load_recipe("naive_nvfp4"))
     s = check_structural(naive_learner, naive_rollout)
-    assert not s.ok and any("no nvfp4_qdq on this site" in p for p in s.problems)
+    assert not s.ok and any("no nvfp4_qdq_linear on this site" in p for p in s.problems)
 
 
 def test_planted_scale_bit_flip_is_found_and_named(tiny_pipeline):

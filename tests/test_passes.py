@@ -20,7 +20,7 @@ from qpass.ops.linear import nvfp4_linear_ref
 from qpass.pm import Pass, PassContext, PassManager, PassResult
 from qpass.quant.groups import group_amax
 from qpass.quant.linear import fp8_linear_reference
-from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.nvfp4 import nvfp4_quantize
 from qpass.recipe import load_recipe, parse_recipe
 from qpass.sampling import positions_from_mask
 
@@ -67,21 +67,55 @@ def test_sites_and_fused_groups(tiny_pipeline):
         assert "qpass_handle" in n.meta
 
 
+class _FactoredSTE(torch.autograd.Function):
+    """SPEC §3.1 learner linear, written out: ``y = fl(acc(X B^T) * S) (+ bias)``; backward
+    ``dX = S * (dY B)``, ``dW = dY^T X`` (STE with ``W_hat = B * S``), ``dbias = sum dY``."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, s, bias):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, b, s)
+        ctx.wdt, ctx.bias_dt = w.dtype, None if bias is None else bias.dtype
+        y = (x.reshape(-1, x.shape[-1]).float() @ b.t()) * s
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*x.shape[:-1], b.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: ANN001, ANN205
+        x, b, s = ctx.saved_tensors
+        g2 = gy.reshape(-1, b.shape[0]).float()
+        gx = ((g2 @ b) * s).reshape(x.shape).to(x.dtype)
+        gw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(ctx.wdt)
+        return gx, gw, None, None, None if ctx.bias_dt is None else g2.sum(0).to(ctx.bias_dt)
+
+
+def _factored_eager_model(model):
+    """A copy of ``model`` whose targeted linears compute the factored STE linear on their own group's
+    NVFP4 quantization (independent of the graph and of qpass's learner op)."""
+    from qpass.quant.nvfp4 import nvfp4_operand
+
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                      (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.self_attn.o_proj,), (layer.mlp.down_proj,)):
+            amax = group_amax([m.weight.detach() for m in group])
+            for m in group:
+                q = nvfp4_quantize(m.weight.detach(), amax)
+                b, sd = nvfp4_operand(q), q.s_dec
+                m.forward = lambda x, m=m, b=b, sd=sd: _FactoredSTE.apply(x, m.weight, b, sd, m.bias)
+    return ref
+
+
 def test_weight_qdq_learner_equals_eager_model_with_qdq_weights(tiny_pipeline):
+    """The learner graph = the eager model with every targeted linear factored on its group's NVFP4
+    quantization (SPEC §3.1), bit for bit."""
     learner, _ = tiny_pipeline.build(load_recipe("w4a16_qat"))
     assert learner.history[0].matches == 14 and learner.history[0].details["groups"] == 2 * 3 + 2 * 2 - 2 * 0 - 2
     ids, am = _ids()
     with torch.no_grad():
         got = learner.gm(ids, am, positions_from_mask(am))
-    ref_model = copy.deepcopy(tiny_pipeline.loaded.model)
-    with torch.no_grad():
-        for layer in ref_model.model.layers:
-            for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                          (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.self_attn.o_proj,), (layer.mlp.down_proj,)):
-                amax = group_amax([m.weight for m in group])
-                for m in group:
-                    m.weight.copy_(nvfp4_dequantize(nvfp4_quantize(m.weight, amax), torch.bfloat16))
-        want = ref_model(input_ids=ids, attention_mask=am, position_ids=positions_from_mask(am), use_cache=False).logits
+        want = _factored_eager_model(tiny_pipeline.loaded.model)(
+            input_ids=ids, attention_mask=am, position_ids=positions_from_mask(am), use_cache=False).logits
     assert torch.equal(got, want)
 
 
@@ -92,15 +126,8 @@ def test_weight_qdq_backward_is_straight_through(tiny_pipeline):
     out.float().square().mean().backward()
     w = learner.attr("model.model.layers.0.mlp.down_proj.weight")
     assert w.grad is not None and w.grad.abs().sum() > 0
-    # STE: the gradient w.r.t. W equals the gradient w.r.t. W_hat of the same forward
-    ref = copy.deepcopy(tiny_pipeline.loaded.model)
-    with torch.no_grad():
-        for lay in ref.model.layers:
-            for group in ((lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj),
-                          (lay.mlp.gate_proj, lay.mlp.up_proj), (lay.self_attn.o_proj,), (lay.mlp.down_proj,)):
-                amax = group_amax([m.weight for m in group])
-                for m in group:
-                    m.weight.copy_(nvfp4_dequantize(nvfp4_quantize(m.weight, amax), torch.bfloat16))
+    # STE: dL/dW = dL/dW_hat = dY^T X of the same factored forward, dL/dX = S_dec (dY B)
+    ref = _factored_eager_model(tiny_pipeline.loaded.model)
     for p in ref.parameters():
         p.requires_grad_(True)
     ref(input_ids=ids, attention_mask=am, position_ids=positions_from_mask(am), use_cache=False).logits.float().square().mean().backward()

@@ -17,7 +17,7 @@ def _err(text: str) -> str:
 def test_builtin_recipes_all_validate_and_have_expected_passes():
     names = set(builtin_recipes())
     assert names == {"bf16", "w4a16_qat", "naive_nvfp4", "quads_nvfp4", "quads_nvfp4_moe", "w4a4_qat", "fp8_block",
-                     "qat_only"}
+                     "qat_only", "fp8_qat", "mxfp4_qat"}
     qo = load_recipe("qat_only")  # weight-QDQ learner, plain W4A4 rollout, no RAC
     assert [p.name for p in qo.learner] == ["weight_qdq"] and [p.name for p in qo.rollout] == ["w4a4_lower"]
     assert qo.rollout[0].options.act == "nvfp4"
@@ -31,6 +31,10 @@ def test_builtin_recipes_all_validate_and_have_expected_passes():
     assert load_recipe("bf16").learner == [] and load_recipe("bf16").rollout == []
     assert [p.name for p in load_recipe("w4a4_qat").learner] == ["weight_qdq", "act_qdq"]
     assert load_recipe("w4a16_qat").rollout[0].options.act == "none"
+    fq = load_recipe("fp8_qat")  # the learner table's FP8 / MXFP4 entries (issue 33 item 3)
+    assert (fq.learner[0].options.format, fq.learner[0].options.granularity) == ("fp8", "block_128x128")
+    assert fq.rollout[0].options.weight_granularity == "block_128x128"
+    assert load_recipe("mxfp4_qat").learner[0].options.format == "mxfp4"
 
 
 def test_unknown_key_in_pass_names_line_and_suggests():

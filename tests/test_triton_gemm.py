@@ -1,8 +1,10 @@
 """Triton NVFP4/FP8 linears vs ``qpass.quant.linear`` (CPU interpreter).
 
 fp32 activations keep the float32 accumulator visible in the output, so the kernels are checked
-against an fp64 product of the same dequantized operands (relative Frobenius error < 1e-5); bf16 /
-fp16 outputs must equal the reference op up to one output rounding step.
+against the fp64 factored product of the same operands (SPEC §3.1: ``B = e2m1 * s_b``, ``alpha`` on
+the output; relative Frobenius error < 1e-5; the elementwise accumulation bound is
+tests/test_factored_decode.py's); bf16 / fp16 outputs must equal the reference op up to one output
+rounding step.
 """
 
 from __future__ import annotations
@@ -15,22 +17,22 @@ import torch
 from qpass.formats.spec import NVFP4_ACT, NVFP4_ACT_PER_TOKEN, FP8Spec
 from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
 from qpass.quant.linear import w4a4_linear_reference, w4a16_linear_reference
-from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from qpass.quant.rac import RACConfig, rac_reference, scatter_gathered
+from qpass.quant.nvfp4 import nvfp4_quantize
+from qpass.quant.rac import RACConfig
 
 from qpass.backends.triton import fp8_linear_triton, w4a4_linear_triton, w4a16_linear_triton
 
 try:  # tests/ may or may not be a package
-    from ._triton_testutil import activations, fresh_seed, rel_fro
+    from ._triton_testutil import activations, factored_exact, fresh_seed, rel_fro
 except ImportError:
-    from _triton_testutil import activations, fresh_seed, rel_fro
+    from _triton_testutil import activations, factored_exact, fresh_seed, rel_fro
 
 N, K = 72, 176  # K: not a multiple of the 64-wide interpreter K tile; > 2 tiles, so split-K runs too
 
 
 def _weight():
     w = nvfp4_quantize(torch.randn(N, K) * 0.05)
-    return w, nvfp4_dequantize(w, torch.bfloat16).double()
+    return w, None
 
 
 def _close_to_rounding(y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -43,14 +45,13 @@ def _close_to_rounding(y: torch.Tensor, ref: torch.Tensor) -> bool:
 @pytest.mark.parametrize("m", [1, 21])
 def test_w4a16(dtype, m):
     seed = fresh_seed()
-    w, wh = _weight()
+    w, _ = _weight()
     x = activations(m, K, dtype)
     bias = torch.randn(N) if m == 1 else None
     y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias)
     assert y.dtype == dtype and y.shape == (m, N)
     if dtype == torch.float32:
-        ref = x.double() @ wh.t() + (0 if bias is None else bias.double())
-        assert rel_fro(y, ref) < 1e-5, seed
+        assert rel_fro(y, factored_exact(x, w, bias)) < 1e-5, seed
     else:
         assert _close_to_rounding(y, w4a16_linear_reference(x, w, bias)), seed
 
@@ -59,10 +60,10 @@ def test_w4a16(dtype, m):
 def test_w4a16_accumulation_forms(accumulation):
     """Both accumulation forms compute the same product (to fp32 reordering) on the interpreter."""
     seed = fresh_seed()
-    w, wh = _weight()
+    w, _ = _weight()
     x = activations(21, K, torch.bfloat16)
     y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, accumulation=accumulation)
-    assert rel_fro(y, x.double() @ wh.t()) < 1e-6, seed
+    assert rel_fro(y, factored_exact(x, w)) < 1e-6, seed
 
 
 def test_accumulation_choice_is_validated(monkeypatch):
@@ -78,31 +79,15 @@ def test_accumulation_choice_is_validated(monkeypatch):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_w4a4_plain(per_token):
     seed = fresh_seed()
-    w, wh = _weight()
+    w, _ = _weight()
     spec = NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
     x = activations(17, K, torch.float32).reshape(1, 17, K)
     y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, act_spec=spec)
-    xh = nvfp4_dequantize(nvfp4_quantize(x.reshape(17, K), spec=spec), torch.bfloat16).double()
     assert y.shape == (1, 17, N)
-    assert rel_fro(y.reshape(17, N), xh @ wh.t()) < 1e-5, seed
+    assert rel_fro(y.reshape(17, N), factored_exact(x, w, act=spec)) < 1e-5, seed
     xb = x.to(torch.bfloat16)
     assert _close_to_rounding(w4a4_linear_triton(xb, w.codes, w.scales, w.s_dec, act_spec=spec),
                               w4a4_linear_reference(xb, w, act_spec=spec)), seed
-
-
-def _rac_reference_fp64(x, cfg, spec, static, wh, bias):
-    res = rac_reference(x, cfg, spec, static_channels=static)
-    m = x.shape[0]
-    if res.gather_index is None:
-        comp = res.comp.double()
-    elif res.gather_index.dim() == 1:
-        comp = torch.zeros(m, K, dtype=torch.float64)
-        idx = res.gather_index
-        keep = idx >= 0
-        comp[:, idx[keep]] = res.comp.double()[:, keep]
-    else:
-        comp = scatter_gathered(res.comp, res.gather_index, K).double()
-    return res.x_hat.double() @ wh.t() + comp @ wh.t() + bias.double()
 
 
 @pytest.mark.parametrize(
@@ -112,7 +97,7 @@ def _rac_reference_fp64(x, cfg, spec, static, wh, bias):
 )
 def test_w4a4_rac(mode, selection, per_token):
     seed = fresh_seed()
-    w, wh = _weight()
+    w, _ = _weight()
     m = int(torch.randint(1, 20, ()))
     x = activations(m, K, torch.float32)
     bias = torch.randn(N)
@@ -120,8 +105,7 @@ def test_w4a4_rac(mode, selection, per_token):
     static = torch.randperm(K)[:23] if selection == "static" else None
     spec = NVFP4_ACT_PER_TOKEN if per_token else NVFP4_ACT
     y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, bias, act_spec=spec, rac=cfg, static_channels=static)
-    ref = _rac_reference_fp64(x, cfg, spec, static, wh, bias)
-    assert rel_fro(y, ref) < 1e-5, (seed, m)
+    assert rel_fro(y, factored_exact(x, w, bias, spec, cfg, static)) < 1e-5, (seed, m)
 
 
 def test_ops_dispatch_to_triton(monkeypatch, triton_backend):
@@ -174,46 +158,44 @@ def test_w4a4_rac_large_path_tiles(mode, selection, tiles, promote_k):
     import triton
 
     from qpass.backends.triton._loader import kernel_lib
-    from qpass.quant.rac import rac_reference, scatter_gathered
+    from qpass.quant.nvfp4 import nvfp4_operand
+    from qpass.quant.rac import rac_reference, residual_operand, scatter_gathered
 
     G = kernel_lib(torch.device("cpu")).nvfp4_gemm  # the interpreter's copy of the kernel module
 
     seed = fresh_seed()
     m, n, k = (130, 128, 208) if tiles == "large" else (128, 72, 400)
     w = nvfp4_quantize(torch.randn(n, k) * 0.05)
-    wh = nvfp4_dequantize(w, torch.bfloat16).double()
     x = activations(m, k, torch.bfloat16)
     # the GEMM operands as ``rac_run(..., outputs="gemm")`` hands them to the kernel, built from the
-    # reference (bit-identical to the Triton RAC kernels: test_triton_rac.py::test_rac_bit_identical;
-    # the interpreter's RAC kernels cost ~90% of this test's CPU time): x_hat; masked: dense comp;
-    # gathered/batch: comp [M, K'] + int32 column index; gathered/token: comp scattered to dense [M, K]
-    res = rac_reference(x, RACConfig(0.5, mode, selection), NVFP4_ACT)
-    x_hat, a2, gather_idx = res.x_hat, res.comp, None
+    # reference (bit-identical to the Triton RAC kernels: test_triton_rac.py::test_rac_gemm_operands;
+    # the interpreter's RAC kernels cost ~90% of this test's CPU time): B_X; masked: dense B_R;
+    # gathered/batch: B_R [M, K'] + int32 column index; gathered/token: B_R scattered to dense [M, K]
+    cfg = RACConfig(0.5, mode, selection)
+    res = rac_reference(x, cfg, NVFP4_ACT)
+    b_x, a2, gather_idx = nvfp4_operand(res.qa, torch.bfloat16), residual_operand(res), None
     if res.gather_index is not None and res.gather_index.dim() == 2:
-        a2 = scatter_gathered(res.comp, res.gather_index, k).to(torch.bfloat16)  # exact: disjoint bf16 values
+        a2 = scatter_gathered(a2, res.gather_index, k)  # exact: disjoint values
     elif res.gather_index is not None:
         gather_idx = res.gather_index.to(torch.int32)
-    if gather_idx is None:
-        comp = a2.double()
-    else:
-        comp = torch.zeros(m, k, dtype=torch.float64)
-        gi = gather_idx.long()
-        comp[:, gi[gi >= 0]] = a2.double()[:, gi >= 0]
-    ref = x_hat.double() @ wh.t() + comp @ wh.t()
+    a2 = a2.to(torch.bfloat16)
+    xs, rs = res.qa.s_dec.reshape(1).float(), res.qr.s_dec.reshape(1).float()
+    ref = factored_exact(x, w, act=NVFP4_ACT, rac=cfg)
     out = torch.full((m, n), float("nan"))
     sdec = w.s_dec.reshape(1).float()
     gidx = gather_idx if gather_idx is not None else sdec
     bm, bn, bk, split, warps = (128, 128, 64, 1, 8) if tiles == "large" else (64, 64, 128, 2, 4)
-    ws = torch.full((split, m, n), float("nan")) if split > 1 else sdec
+    ws = torch.full((2 * split, m, n), float("nan")) if split > 1 else sdec
     G._nvfp4_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        x_hat, x_hat.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec,
-        a2, a2.stride(0), a2.shape[1], gidx, sdec, out, out.stride(0), ws, m, n, k, 256,
+        b_x, b_x.stride(0), w.codes, w.codes.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), sdec, xs,
+        a2, a2.stride(0), a2.shape[1], gidx, rs, sdec, out, out.stride(0), ws, m, n, k, 256,
         BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, SEG2=1 if gather_idx is None else 2, A_F32=False,
-        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, PROMOTE_K=promote_k, num_warps=warps,
+        HAS_BIAS=False, OUT_DTYPE=triton.language.float32, DECODE=0, PROMOTE_K=promote_k, XS=1, RS=1, num_warps=warps,
+        enable_fp_fusion=False,
     )
     if split > 1:
         G._splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
-            ws, sdec, out, out.stride(0), m, n, SPLIT_K=split, HAS_BIAS=False, OUT_DTYPE=triton.language.float32,
-            BLOCK=1024, num_warps=4,
+            ws, sdec, out, out.stride(0), m, n, sdec, xs, rs, SPLIT_K=split, HAS_BIAS=False,
+            OUT_DTYPE=triton.language.float32, BLOCK=1024, SEG2=1, XS=1, RS=1, num_warps=4, enable_fp_fusion=False,
         )
     assert rel_fro(out, ref) < 1e-5, seed

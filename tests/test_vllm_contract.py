@@ -59,14 +59,14 @@ def test_served_linear_is_the_qpass_op_bit_for_bit(act, rac):
         channels = torch.arange(rac_num_channels(64, rac.ratio), dtype=torch.int64) * 2
         layer.rac_channels = torch.nn.Parameter(channels, requires_grad=False)
     finish_loading(layer, "model.layers.0.mlp.up_proj", persistent=True, decode_cache=True)
-    assert layer.qpass_w_hat.dtype == torch.float32 and "qpass_w_hat" in layer.state_dict()
+    assert layer.qpass_w_b.dtype == torch.float32 and "qpass_w_b" in layer.state_dict()
     got = served_linear(layer, x, None, site="s", act=act, rac=rac)
     want = torch.ops.qpass.nvfp4_linear(x, layer.weight, layer.weight_scale, layer.qpass_s_dec, None, "s", act,
                                         float(rac.ratio) if rac else 0.0, rac.mode if rac else "masked",
                                         rac.selection if rac else "batch", channels)
     assert got.dtype == x.dtype and torch.equal(got, want)
     # the op path (no decode cache: what CUDA takes) is the same numbers
-    del layer._buffers["qpass_w_hat"]
+    del layer._buffers["qpass_w_b"]
     assert torch.equal(served_linear(layer, x, None, site="s", act=act, rac=rac), want)
 
 
@@ -89,14 +89,14 @@ def test_finish_loading_refuses_unloaded_nan_and_mixed_globals_naming_the_layer(
 def test_finish_loading_rebinds_in_place_so_a_reload_updates_the_served_decode():
     layer = _layer(seed=0)
     finish_loading(layer, "L", persistent=True, decode_cache=True)
-    s_dec, w_hat, before = layer.qpass_s_dec, layer.qpass_w_hat, layer.qpass_w_hat.clone()
+    s_dec, w_hat, before = layer.qpass_s_dec, layer.qpass_w_b, layer.qpass_w_b.clone()
     fresh = _layer(seed=1)
     layer.weight.data.copy_(fresh.weight.data)
     layer.weight_scale.data.copy_(fresh.weight_scale.data)
     layer.weight_scale_2.data.copy_(fresh.weight_scale_2.data)
     finish_loading(layer, "L", persistent=True, decode_cache=True)
-    assert layer.qpass_s_dec is s_dec and layer.qpass_w_hat is w_hat  # same storage (vLLM copies back into it)
-    assert not torch.equal(layer.qpass_w_hat, before)
+    assert layer.qpass_s_dec is s_dec and layer.qpass_w_b is w_hat  # same storage (vLLM copies back into it)
+    assert not torch.equal(layer.qpass_w_b, before)
     # after the reload the served output follows the new bytes exactly (no stale decode), in every mode
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     for act, rac in (("none", None), ("nvfp4", RACConfig(0.5, "masked", "batch"))):

@@ -71,19 +71,30 @@ class KernelMissingError(QpassError):
 
 @dataclasses.dataclass(frozen=True)
 class LearnerQDQ:
-    """How the learner fake-quantizes one spec.
+    """How the learner fake-quantizes one spec (the rule ``weight_qdq`` / ``act_qdq`` look up).
 
     Attributes:
-        ops: role (``weight``/``activation``) -> the custom op the learner graph carries
-            (``qpass::nvfp4_qdq`` ...).
+        ops: role -> the custom op: ``linear`` (what ``weight_qdq`` puts in place of a linear: the
+            weight-QDQ linear, factored for NVFP4, SPEC §3.1), ``activation`` (what ``act_qdq``
+            puts in front of one), ``weight`` (the dense ``W_hat`` QDQ, for consumers that need one).
         fn: ``fn(spec, x, amax=None, site="") -> x_hat`` (same dtype as ``x``, STE backward).
+        linear_args: ``(spec, x, w, amax, bias, site) -> op arguments`` of the ``linear`` op
+            (``amax`` is the group amax node for specs with a global scale, else None).
+        act_args: ``(spec, x, site) -> op arguments`` of the ``activation`` op.
     """
 
     ops: Mapping[str, str]
     fn: Callable[..., torch.Tensor]
+    linear_args: Callable[..., tuple] | None = None
+    act_args: Callable[..., tuple] | None = None
 
     def __call__(self, spec: QuantSpec, x: torch.Tensor, amax: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
         return self.fn(spec, x, amax, site)
+
+    def overload(self, role: str) -> Any:
+        """``torch.ops.qpass.<op>.default`` of ``role`` (``linear`` / ``activation`` / ``weight``)."""
+        ns, name = self.ops[role].split("::")
+        return getattr(getattr(torch.ops, ns), name).default
 
 
 def register(table: str, spec_type: type, *, op: str | None = None, backend: str | None = None,

@@ -83,8 +83,13 @@ def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
 
 
 def _pick_rac_site(rollout: QGraph, acts: dict[str, torch.Tensor]) -> str | None:
-    cands = [s for s, r in rollout.quant.items() if r.rac is not None and s in acts] or \
-            [s for s, r in rollout.quant.items() if r.act_spec is not None and s in acts]
+    """The site whose NVFP4 activation residual the heatmap shows: a RAC site, else any NVFP4-activation
+    site, the one with the largest input; None where no site quantizes its activation to NVFP4 (FP8 or
+    weight-only recipes)."""
+    from qpass.formats.spec import NVFP4Spec
+
+    nvfp4 = {s: r for s, r in rollout.quant.items() if isinstance(r.act_spec, NVFP4Spec) and s in acts}
+    cands = [s for s, r in nvfp4.items() if r.rac is not None] or list(nvfp4)
     if not cands:
         return None
     return max(cands, key=lambda s: float(acts[s].abs().max()))

@@ -10,12 +10,13 @@ are testable without any engine installed (``scripts/gpu_vllm_linear.sh`` runs t
   :mod:`qpass.checkpoint.validate` refuses (a scale never loaded, NaN or negative block scale bytes,
   block scales that do not fit their codes, an invalid global scale, fused shards with different
   globals); bind the decode
-  global ``layer.qpass_s_dec`` (and, with ``decode_cache``, the decoded weight ``layer.qpass_w_hat``);
+  global ``layer.qpass_s_dec`` (and, with ``decode_cache``, the GEMM operand ``layer.qpass_w_b``);
 * :func:`served_linear` — the forward: ``torch.ops.qpass.nvfp4_linear`` (qpass's op: the reference
   kernel, or the Triton kernel on CUDA when that backend is selected), or on the reference path the
-  same :mod:`qpass.quant.linear` functions that op calls, with the layer's decoded weight;
-* :func:`activation_for_row_parallel` — the W4A4 activation of a K-sharded (row-parallel) layer with
-  its global amax all-reduced (MAX) over the tensor-parallel group (SPEC §3 rule 1).
+  same :mod:`qpass.quant.linear` function that op calls, with the layer's ``B_W`` (SPEC §3.1);
+* :func:`row_parallel_activation` — the W4A4 activation of a K-sharded (row-parallel) layer quantized
+  with its global amax all-reduced (MAX) over the tensor-parallel group (SPEC §3 rule 1);
+  :func:`activation_for_row_parallel` its dense fake-quant.
 
 Layer attributes read: ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` float8_e4m3fn ``[N, K/16]``,
 ``weight_scale_2`` float32 ``[S]`` (per fused shard), optional ``bias``, ``qpass_k_sharded`` (bool),
@@ -24,6 +25,9 @@ group), prior-art/backends.md §1 (SGLang), docs/engines/vllm_cpu_prototype.md �
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,35 +38,44 @@ from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4Spec
 from qpass.quant.rac import RACConfig
 
-__all__ = ["activation_for_row_parallel", "begin_loading", "finish_act_only_loading", "finish_loading", "served_act_linear",
-           "served_linear"]
+if TYPE_CHECKING:
+    from qpass.quant.nvfp4 import NVFP4Tensor
+
+__all__ = ["activation_for_row_parallel", "begin_loading", "finish_act_only_loading", "finish_loading", "row_parallel_activation",
+           "served_act_linear", "served_linear"]
 
 
 def activation_for_row_parallel(x: torch.Tensor, act: NVFP4Spec | str, process_group: object | None, site: str) -> torch.Tensor:
-    """``DQ(Q_A(x))`` rounded to bf16 (the W4A4 GEMM operand) with the global amax all-reduced (MAX)
-    over ``process_group``.
-
-    For a K-sharded activation this equals the slice of the unsharded fake-quant, so
-    ``x_hat @ W_hat^T`` (the W4A16 path of ``nvfp4_linear``) on each rank, summed by the row-parallel
-    all-reduce, is the W4A4 product up to float32 summation order.
+    """The dense fake-quantized activation ``bf16(DQ(Q_A(x)))`` of a K-sharded slice, the global amax
+    all-reduced (MAX) over ``process_group``: the slice of the unsharded fake-quant (a dense tensor,
+    named so: the served layer multiplies ``B_X`` and applies ``S_dec_X`` in ``alpha`` instead,
+    :func:`served_linear`).
 
     Args:
         x: ``[..., K/tp]`` bf16/fp16/fp32 activation slice.
         act: the activation spec (``NVFP4_ACT``: one global per tensor, ``NVFP4_ACT_PER_TOKEN``: one
             per row) or its mode string (``qpass.formats.spec.NVFP4_ACT_MODES``).
     Returns:
-        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly. The values are
-        ``nvfp4_act_operand``'s (the operand of the main ``qpass::nvfp4_linear`` op): saturated to
-        the range of ``x.dtype``, so an fp16 activation at 65504 gives 65280, not 65536 (inf in fp16).
+        bf16 for bf16 ``x``; otherwise float32 holding the same bf16 values exactly, saturated to
+        the range of ``x.dtype`` (``nvfp4_act_operand``: an fp16 activation at 65504 gives 65280, not
+        65536 = inf in fp16).
     """
     from qpass.formats.spec import nvfp4_act_spec_of
-    from qpass.quant.nvfp4 import nvfp4_act_operand, nvfp4_quantize
+    from qpass.quant.nvfp4 import nvfp4_act_operand
 
     spec = nvfp4_act_spec_of(act, site) if isinstance(act, str) else act
-    x2 = x.reshape(-1, x.shape[-1])
-    q = nvfp4_quantize(x2, spec=spec, process_group=process_group, name="activation", site=site)
+    q = row_parallel_activation(x, spec, process_group, site)
     x_hat = nvfp4_act_operand(q).reshape(x.shape)
     return x_hat if x.dtype == torch.bfloat16 else x_hat.float()
+
+
+def row_parallel_activation(x: torch.Tensor, act: NVFP4Spec, process_group: object | None, site: str) -> "NVFP4Tensor":
+    """``Q_A(x)`` of a K-sharded activation slice ``x [..., K/tp]`` with the global amax all-reduced
+    (MAX) over ``process_group`` (SPEC §3 rule 1): its bytes are the slice of the unsharded
+    quantization. Returns the :class:`~qpass.quant.nvfp4.NVFP4Tensor` of ``x`` as ``[R, K/tp]`` rows."""
+    from qpass.quant.nvfp4 import nvfp4_quantize
+
+    return nvfp4_quantize(x.reshape(-1, x.shape[-1]), spec=act, process_group=process_group, name="activation", site=site)
 
 
 def begin_loading(layer: torch.nn.Module) -> None:
@@ -97,8 +110,8 @@ def finish_loading(layer: torch.nn.Module, prefix: str, *, persistent: bool = Fa
         prefix: the layer's name in the engine (for messages).
         persistent: register the bound buffers as persistent (vLLM's in-place reload copies only
             persistent buffers back into the served storage).
-        decode_cache: also bind ``layer.qpass_w_hat`` float32 ``[N, K]`` = ``nvfp4_dequantize(w, bf16)``
-            (the reference path's operand, decoded once per load instead of per forward).
+        decode_cache: also bind ``layer.qpass_w_b`` float32 ``[N, K]`` = ``nvfp4_operand(w)`` (``B_W``,
+            SPEC §3.1: the reference path's operand, decoded once per load instead of per forward).
     Raises:
         QuantizationError: names the layer (:func:`qpass.checkpoint.validate.check_nvfp4_tensors`, the
             checks the file readers run too): a scale never loaded (the NaN sentinel survived: the
@@ -113,11 +126,10 @@ def finish_loading(layer: torch.nn.Module, prefix: str, *, persistent: bool = Fa
     s_dec = gs[0].reshape(()).clone()
     _bind(layer, "qpass_s_dec", s_dec, persistent)
     if decode_cache:
-        from qpass.ops import WEIGHT_OPERAND_DTYPE
-        from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize
+        from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_operand
 
         w = NVFP4Tensor.from_parts(layer.weight.data, layer.weight_scale.data, s_dec)
-        _bind(layer, "qpass_w_hat", nvfp4_dequantize(w, WEIGHT_OPERAND_DTYPE).float(), persistent)
+        _bind(layer, "qpass_w_b", nvfp4_operand(w), persistent)
 
 
 def served_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None, *, site: str, act: str,
@@ -128,41 +140,59 @@ def served_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | 
     ``nvfp4`` / ``nvfp4_per_token`` W4A4 with a dynamic activation global scale per tensor / per
     token); ``rac``: residual compensation (any mode and selection; static reads
     ``layer.rac_channels``); ``bias`` ``[N]`` or None (the engine passes it: a row-parallel rank
-    other than 0 passes None). A K-sharded layer (``layer.qpass_k_sharded``) quantizes its
-    activation slice with the amax all-reduced over ``process_group``, then runs the W4A16 product.
+    other than 0 passes None).
 
     The layer becomes one typed call (:class:`qpass.ops.calls.NVFP4LinearCall`). If
-    :func:`finish_loading` bound ``qpass_w_hat`` and the current kernel backend runs the reference ops
-    on ``x.device``, the reference kernel runs with that decoded weight (bit-identical to the op);
+    :func:`finish_loading` bound ``qpass_w_b`` and the current kernel backend runs the reference ops
+    on ``x.device``, the reference kernel runs with that operand (bit-identical to the op);
     otherwise the call goes through ``qpass::nvfp4_linear`` (e.g. the Triton kernel on CUDA).
 
+    A K-sharded layer (``layer.qpass_k_sharded``, W4A4) quantizes its activation slice with the
+    amax all-reduced over ``process_group`` (:func:`row_parallel_activation`) and runs the W4A16 call
+    on ``B_X`` (exact) with ``alpha = fl(S_dec_X * S_dec_W)`` as the weight's global scale: the
+    factored W4A4 product of its slice (SPEC §3.1), summed by the row-parallel all-reduce. Per-token
+    scales cannot ride in one ``alpha``: there the slice is ``fl(fl(acc * S_dec_W) * S_dec_X[row])``.
+
     Raises:
-        QuantizationError: NaN/inf activations, K mismatch (naming ``site``).
+        QuantizationError: unknown ``act``, NaN/inf activations, K mismatch (naming ``site``).
     """
     from qpass.formats.spec import nvfp4_act_spec_of
     from qpass.ops import NVFP4_LINEAR, NVFP4LinearCall, current_backend, effective_backend
-    from qpass.quant.nvfp4 import NVFP4Tensor
+    from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_operand
 
     try:
         act_spec = nvfp4_act_spec_of(act, f"{METHOD_NAME}: layer {site}")
     except ValueError as exc:
         raise QuantizationError(str(exc)) from None
+    out_dtype = x.dtype
+    w = NVFP4Tensor.from_parts(layer.weight, layer.weight_scale, layer.qpass_s_dec)
+    row_scale = None
     if act_spec is not None and getattr(layer, "qpass_k_sharded", False):
         if rac is not None:
             raise QuantizationError(f"{METHOD_NAME}: layer {site} is row-parallel and has residual compensation, "
                                     "whose channel ranking needs the whole K")
-        x = activation_for_row_parallel(x, act_spec, process_group, site)
-        act_spec = None
+        qa = row_parallel_activation(x, act_spec, process_group, site)
+        if act_spec.global_scope == "per_token":
+            row_scale = qa.s_dec.reshape(*x.shape[:-1], 1)
+        else:
+            w = dataclasses.replace(w, s_dec=qa.s_dec.reshape(()) * w.s_dec.float())
+        x, act_spec = nvfp4_operand(qa, torch.bfloat16).reshape(x.shape), None
     channels = getattr(layer, "rac_channels", None) if rac is not None and rac.selection == "static" else None
-    w = NVFP4Tensor.from_parts(layer.weight, layer.weight_scale, layer.qpass_s_dec)
-    call = NVFP4LinearCall(x=x, weight=w, bias=bias, act=act_spec, rac=rac if rac is not None and rac.ratio > 0 else None,
-                           rac_channels=channels, site=site, out_dtype=x.dtype)
-    w_hat = getattr(layer, "qpass_w_hat", None)
-    if w_hat is not None and effective_backend(current_backend(), x.device) == "reference":
+    call = NVFP4LinearCall(x=x, weight=w, bias=bias if row_scale is None else None, act=act_spec,
+                           rac=rac if rac is not None and rac.ratio > 0 else None, rac_channels=channels, site=site,
+                           out_dtype=out_dtype if row_scale is None else torch.float32)
+    b_w = getattr(layer, "qpass_w_b", None)
+    if b_w is not None and effective_backend(current_backend(), x.device) == "reference":
         from qpass.quant.linear import nvfp4_linear_reference
 
-        return nvfp4_linear_reference(call, w_hat=w_hat)
-    return NVFP4_LINEAR(call).to(x.dtype)
+        y = nvfp4_linear_reference(call, b_w=b_w)
+    else:
+        y = NVFP4_LINEAR(call)
+    if row_scale is not None:
+        y = y.float() * row_scale
+        if bias is not None:
+            y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def finish_act_only_loading(layer: torch.nn.Module, prefix: str) -> None:

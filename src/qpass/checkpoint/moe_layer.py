@@ -109,8 +109,8 @@ def finish_moe_loading(layer: torch.nn.Module, prefix: str, *, decode_cache: boo
     """After loading: check every expert as a dense qpass layer (:func:`qpass.checkpoint.linear.finish_loading`:
     W13 = the fused gate/up group of one expert, W2 alone) and bind the decode globals
     ``layer.qpass_w13_s_dec`` / ``qpass_w2_s_dec`` float32 ``[E]`` and, with ``decode_cache``, the
-    decoded weights ``qpass_w13_w_hat`` ``[E, 2I, H]`` / ``qpass_w2_w_hat`` ``[E, H, I]`` (bf16:
-    ``nvfp4_dequantize(w, bf16)`` exactly; the reference op reads it as float32).
+    GEMM operands ``qpass_w13_w_b`` ``[E, 2I, H]`` / ``qpass_w2_w_b`` ``[E, H, I]`` (``B_W =
+    nvfp4_operand(w)``, SPEC §3.1, stored in bf16: exact; the reference op reads it as float32).
 
     Raises:
         QuantizationError: names the layer and the expert: a scale never loaded or NaN (block or
@@ -127,12 +127,12 @@ def finish_moe_loading(layer: torch.nn.Module, prefix: str, *, decode_cache: boo
             finish_loading(v, f"{prefix} expert {e} {name}", decode_cache=decode_cache)
             (s13 if stem == "w13" else s2).append(v.qpass_s_dec)
             if decode_cache:
-                (w13 if stem == "w13" else w2).append(v.qpass_w_hat.to(torch.bfloat16))
+                (w13 if stem == "w13" else w2).append(v.qpass_w_b.to(torch.bfloat16))
     _bind(layer, "qpass_w13_s_dec", torch.stack(s13))
     _bind(layer, "qpass_w2_s_dec", torch.stack(s2))
     if decode_cache:
-        _bind(layer, "qpass_w13_w_hat", torch.stack(w13))
-        _bind(layer, "qpass_w2_w_hat", torch.stack(w2))
+        _bind(layer, "qpass_w13_w_b", torch.stack(w13))
+        _bind(layer, "qpass_w2_w_b", torch.stack(w2))
 
 
 def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -146,10 +146,9 @@ def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     layer.register_buffer(name, value, persistent=True)  # vLLM's layer-wise reload copies only persistent buffers back
 
 
-def _linear(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, w_hat: torch.Tensor | None, x: torch.Tensor, *,
+def _linear(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, b_w: torch.Tensor | None, x: torch.Tensor, *,
             act: str, rac: RACConfig | None, site: str) -> torch.Tensor:
-    view = types.SimpleNamespace(weight=codes, weight_scale=scales, qpass_s_dec=s_dec, qpass_k_sharded=False,
-                                 qpass_w_hat=None if w_hat is None else w_hat)
+    view = types.SimpleNamespace(weight=codes, weight_scale=scales, qpass_s_dec=s_dec, qpass_k_sharded=False, qpass_w_b=b_w)
     return served_linear(view, x, None, site=site, act=act, rac=rac)
 
 
@@ -167,8 +166,8 @@ def served_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tens
         raise QuantizationError(f"{METHOD_NAME}: MoE layer {site}: activation {activation!r}; qpass serves SiLU-and-mul experts only")
     n, two_i = layer.w13_weight.shape[0], layer.w13_weight.shape[1]
     inter = two_i // 2
-    w13h = getattr(layer, "qpass_w13_w_hat", None)
-    w2h = getattr(layer, "qpass_w2_w_hat", None)
+    w13h = getattr(layer, "qpass_w13_w_b", None)
+    w2h = getattr(layer, "qpass_w2_w_b", None)
     out = torch.zeros_like(x)
     ids = topk_ids.to(torch.int64)
     for e in range(n):

@@ -57,27 +57,28 @@ def _sites_stamped(qg: QGraph) -> list[str]:
 @graph_property("weight_qdq")
 def _weight_qdq(qg: QGraph) -> list[str]:
     q = _ops()
-    nodes = qg.call_nodes(q.nvfp4_qdq.default)
+    nodes = qg.call_nodes(q.nvfp4_qdq_linear.default) + qg.call_nodes(q.qdq_linear.default)
     if not nodes:
-        return ["no qpass::nvfp4_qdq node in the graph"]
+        return ["no weight-QDQ linear (qpass::nvfp4_qdq_linear / qpass::qdq_linear) node in the graph"]
     bad = []
     for n in nodes:
         a = op_args(n)
-        amax = a["amax"]
-        if not (isinstance(amax, torch.fx.Node) and amax.target == q.group_amax.default):
-            bad.append(f"{n.name}: amax input is not a qpass::group_amax node")
-        elif a["w"] not in op_args(amax)["tensors"]:
-            bad.append(f"{n.name}: its weight is not a member of its group_amax")
-        for user in n.users:
-            if not (user.op == "call_function" and user.target in LINEAR_TARGETS and user.args[1] is n):
-                bad.append(f"{n.name}: feeds {user.name}, which is not a linear weight input")
+        amax = a.get("amax")
+        if n.target == q.nvfp4_qdq_linear.default:  # a global scale: the group's fresh amax
+            if not (isinstance(amax, torch.fx.Node) and amax.target == q.group_amax.default):
+                bad.append(f"{n.name}: amax input is not a qpass::group_amax node")
+            elif a["w"] not in op_args(amax)["tensors"]:
+                bad.append(f"{n.name}: its weight is not a member of its group_amax")
+        if a["site"] != n.meta.get("qpass_linear_site"):
+            bad.append(f"{n.name}: site argument {a['site']!r} != stamp {n.meta.get('qpass_linear_site')!r}")
     return bad
 
 
 @graph_property("act_qdq")
 def _act_qdq(qg: QGraph) -> list[str]:
     q = _ops()
-    return [] if qg.call_nodes(q.nvfp4_act_qdq.default) else ["no qpass::nvfp4_act_qdq node in the graph"]
+    acts = qg.call_nodes(q.nvfp4_act_qdq.default) + [n for n in qg.call_nodes(q.qdq.default) if n.meta.get("qpass_act_site")]
+    return [] if acts else ["no activation QDQ (qpass::nvfp4_act_qdq / qpass::qdq) node in the graph"]
 
 
 def _nvfp4_linear_nodes(qg: QGraph) -> list[torch.fx.Node]:

@@ -31,6 +31,15 @@ def quantized_linear_targets() -> tuple[Any, ...]:
     return tuple(dict.fromkeys(lo.op_overload() for lo in TABLES["rollout_lower"].values()))
 
 
+def learner_linear_targets() -> tuple[Any, ...]:
+    """The learner's weight-QDQ linear ops: the ``linear`` op of every ``learner_qdq`` table entry
+    (``qpass::nvfp4_qdq_linear``, ``qpass::qdq_linear``); their input is argument 0, like ``aten.linear``."""
+    from qpass.tables import TABLES, load_core
+
+    load_core()
+    return tuple(dict.fromkeys(lq.overload("linear") for lq in TABLES["learner_qdq"].values() if "linear" in lq.ops))
+
+
 def stamp(gm: torch.fx.GraphModule) -> None:
     """Stamp site ids and handles on every node of a freshly captured graph (idempotent)."""
     for i, node in enumerate(gm.graph.nodes):

@@ -26,7 +26,7 @@ class SiteQuant:
         members: site ids of the group quantized together (this one included), in order.
         spec: the weight spec, or None when only activations are quantized.
         act_spec: the activation spec, or None.
-        op: the op that carries the site (``qpass::nvfp4_qdq`` on the learner,
+        op: the op that carries the site (``qpass::nvfp4_qdq_linear`` on the learner,
             ``qpass::nvfp4_linear`` ... on the rollout, ``qpass::nvfp4_act_qdq`` for activations only).
         constants: rollout only: constant name (``codes``, ``scales``, ``s_dec``, ``s_enc``, ``data``,
             ``scale``) -> buffer attribute of the graph module.

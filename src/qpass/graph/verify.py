@@ -35,7 +35,8 @@ def _qpass_name(node: torch.fx.Node) -> str | None:
     return node.target.name() if _namespace(node) == "qpass" else None
 
 
-LEARNER_QPASS_OPS = {"qpass::group_amax", "qpass::nvfp4_qdq", "qpass::nvfp4_act_qdq", "qpass::qdq"}
+LEARNER_QPASS_OPS = {"qpass::group_amax", "qpass::nvfp4_qdq", "qpass::nvfp4_qdq_linear", "qpass::nvfp4_operand_ste",
+                     "qpass::nvfp4_act_qdq", "qpass::qdq", "qpass::qdq_linear"}
 ROLLOUT_QPASS_OPS = {"qpass::nvfp4_linear", "qpass::fp8_linear", "qpass::mxfp4_linear", "qpass::nvfp4_act_qdq"}
 # the spec tables' ops must all be in these lists (tests/test_tables.py checks it)
 # ops that belong to the model itself, on every side (MoE routing record/replay, qpass.moe.routing)

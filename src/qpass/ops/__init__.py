@@ -23,7 +23,6 @@ from qpass.ops.linear import (  # noqa: F401 (re-exported)
     LINEAR_OPS,
     MXFP4_LINEAR,
     NVFP4_LINEAR,
-    WEIGHT_OPERAND_DTYPE,
     RolloutLowering,
     cached_weight,
     fp8_linear,

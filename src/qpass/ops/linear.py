@@ -36,13 +36,9 @@ from qpass.ops.schema import Arg, OpSchema, register_kernel
 from qpass.quant.fp8 import fp8_dequantize
 from qpass.quant.linear import fp8_linear_reference, mxfp4_linear_reference, nvfp4_linear_reference
 from qpass.quant.mxfp4 import mxfp4_dequantize
-from qpass.quant.nvfp4 import nvfp4_dequantize
+from qpass.quant.nvfp4 import nvfp4_operand
 from qpass.quant.observe import record as observe_input
 from qpass.tables import KernelMissingError, kernel, register
-
-# The rollout NVFP4/MXFP4 ops multiply weights decoded to this dtype (SPEC §3 dequant: bf16_rne),
-# whatever the model dtype; the parity checker compares the learner's operand against it.
-WEIGHT_OPERAND_DTYPE = torch.bfloat16
 
 # A kernel of qpass::nvfp4_linear that implements the static (calibrated) activation scale carries this
 # attribute set to True (serves_static_act); kernels written before static scales existed lack it.
@@ -102,7 +98,7 @@ mxfp4_linear = MXFP4_LINEAR.define()
 
 
 # ---------------------------------------------------------------------------------------------
-# Decoded-weight cache for the reference backend: a weight buffer is decoded once per version.
+# Decoded-operand cache for the reference backend: a weight buffer is decoded once per version.
 # Keyed by storage addresses; an entry is valid only while it still refers to the *same* tensor
 # objects (weak references) at the same in-place versions, so a freed-and-reused address or an
 # in-place weight sync can never serve a stale decode.
@@ -134,12 +130,10 @@ def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tens
 
 @register_kernel(NVFP4_LINEAR, "reference")
 def nvfp4_linear_ref(call: NVFP4LinearCall) -> torch.Tensor:
-    """Reference kernel of ``qpass::nvfp4_linear`` (the decoded weight cached per weight version);
+    """Reference kernel of ``qpass::nvfp4_linear`` (``B_W`` cached per weight version, float32: exact);
     serves every activation mode, the static one included."""
     w = call.weight
-    # cached as float32 (exact: the decoded values are bf16) so each call skips the conversion
-    w_hat = cached_weight((w.codes, w.scales, w.s_dec), lambda: nvfp4_dequantize(w, WEIGHT_OPERAND_DTYPE).float())
-    return nvfp4_linear_reference(call, w_hat=w_hat)
+    return nvfp4_linear_reference(call, b_w=cached_weight((w.codes, w.scales), lambda: nvfp4_operand(w)))
 
 
 setattr(nvfp4_linear_ref, STATIC_ACT_ATTR, True)

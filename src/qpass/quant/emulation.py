@@ -26,6 +26,13 @@ same saturation at +-6; element ``2j`` in the low nibble; ``fl`` = one IEEE floa
 and ``s_enc`` the encode scale it stores or passes to its kernel. Where a library only has one of
 the two, the other is the reciprocal its consumers compute (documented per mode).
 
+**What a GEMM does with a mode's bytes** (SPEC §3.1): the same as with qpass's own. The rollout ops
+multiply ``B = e2m1 * s_b`` of the codes and block-scale bytes and put the stored decode multiplier
+``s_dec`` into the epilogue ``alpha``, whichever convention produced it; for ModelOpt's
+(``weight_scale_2 = fl(amax / 2688)``) that is its ``S_dec`` as stored, never a value recomputed
+from ``S_enc`` (``tests/test_factored_decode.py``, the ``modelopt`` arithmetic through the rollout op
+and the learner op).
+
 **CPU vs CUDA eager PyTorch.** ``tensor / python_scalar`` is an IEEE division on CPU but
 ``tensor * fl(1/scalar)`` on CUDA, where a CPU-scalar divisor is turned into a multiplication by its
 reciprocal (``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``, ``div_true_kernel_cuda``).

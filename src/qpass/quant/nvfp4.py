@@ -11,7 +11,8 @@ contraction is possible: each line is its own kernel), in this order:
       s_b = e4m3_rne_satfinite(min(fl(vmax * mult), 448))  (subnormal scale bytes kept; may be 0)
       enc = min(fl(1 / fl(s_b * S_dec)), FLT_MAX)          s_b == 0 -> FLT_MAX
       q_i = e2m1_rne(clamp(fl(x_i * enc), -6, 6))
-    dequant: bf16_rne(fl(fl(e2m1(q) * s_b) * S_dec))
+    dequant: bf16_rne(fl(fl(e2m1(q) * s_b) * S_dec))     (a dense tensor: nvfp4_dequantize)
+    GEMM operand (SPEC §3.1): B = e2m1(q) * s_b, exact; S_dec goes to the GEMM's alpha (nvfp4_operand)
 
 Source: TransformerEngine reference recipe (``reference_nvfp4.py``), reproduced bit for bit by
 FlashInfer's exact mode; see ``prior-art/nvfp4_semantics.md`` §10.
@@ -340,6 +341,10 @@ def _check_amax(amax: torch.Tensor, x: torch.Tensor, per_token: bool, name: str 
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Decode an :class:`NVFP4Tensor`: ``to_dtype(fl(fl(e2m1(q) * s_b) * S_dec))``.
 
+    The materialised dense value (SPEC §3 ``dequant``): what a consumer that needs a dense tensor
+    gets (the ``plain`` export, activation QDQ, the RAC residual ``R = X - DQ(Q_A(X))``). A GEMM
+    multiplies :func:`nvfp4_operand` instead and applies ``S_dec`` once to its output (SPEC §3.1).
+
     Args:
         q: the quantized tensor.
         dtype: output dtype; ``torch.float32`` returns the exact float32 value before the final
@@ -352,6 +357,27 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     s = q.scales.to(torch.float32).unsqueeze(-1)
     out = (vals.reshape(*lead, k // BLOCK, BLOCK) * s).reshape(*lead, k)
     out = out * q.s_dec
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def nvfp4_operand(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The GEMM operand ``B = e2m1(q) * s_b`` of an NVFP4 tensor (SPEC §3.1): the decode without the
+    per-tensor scale, which a GEMM applies once, in its epilogue ``alpha``.
+
+    Exact in bf16, fp16 and fp32: at most 6 significant bits (2 of the E2M1 value, 4 of the E4M3
+    scale), ``|B|`` in ``[2^-10, 2688]`` or 0, so the float32 product rounds nothing and the cast to
+    ``dtype`` is exact (``tests/test_factored_decode.py`` checks all 16 codes x 256 scale bytes).
+
+    Args:
+        q: the quantized tensor ``[..., K]``.
+        dtype: bf16, fp16 or fp32 (default float32, what the reference GEMMs multiply).
+    Returns:
+        Tensor of ``q.shape`` and ``dtype``.
+    """
+    vals = e2m1_decode(unpack_e2m1(q.codes))
+    lead, k = vals.shape[:-1], vals.shape[-1]
+    s = q.scales.to(torch.float32).unsqueeze(-1)
+    out = (vals.reshape(*lead, k // BLOCK, BLOCK) * s).reshape(*lead, k)
     return out if dtype == torch.float32 else out.to(dtype)
 
 

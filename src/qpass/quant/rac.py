@@ -2,7 +2,7 @@
 
 For the GEMM input ``X`` ([M, K], one row per token of the current forward batch):
 
-    X_hat = DQ(Q_A(X))                         bf16 (SPEC §3 dequant)
+    X_hat = DQ(Q_A(X))                         bf16 (SPEC §3 dequant; the GEMM multiplies B_X, SPEC §3.1)
     R     = fl(float(X) - float(X_hat))        float32 residual
     score: channel j's residual energy, computed *exactly* (see :func:`channel_scores`)
     S     = the k = floor(ratio * K) channels with the largest score; ties -> lower channel index
@@ -47,7 +47,8 @@ from qpass.errors import QuantizationError
 from qpass.quant.checks import sync_checks_enabled
 from qpass.formats.spec import NVFP4_ACT, NVFP4Spec
 from qpass.quant.groups import tensor_amax
-from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, nvfp4_act_operand, nvfp4_act_quantize, nvfp4_dequantize, nvfp4_quantize
+from qpass.quant.nvfp4 import (BLOCK, NVFP4Tensor, nvfp4_act_operand, nvfp4_act_quantize, nvfp4_dequantize, nvfp4_operand,
+                               nvfp4_quantize)
 
 RACMode = Literal["masked", "gathered"]
 RACSelection = Literal["batch", "token", "static"]
@@ -147,11 +148,14 @@ def activation_residual(x: torch.Tensor, act_spec: NVFP4Spec, *, act_amax: torch
                         site: str | None = None) -> tuple[NVFP4Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(Q_A(X), X_hat, R, score amax)`` of an activation ``x`` [M, K]: the first lines of the module formula.
 
-    ``X_hat = nvfp4_act_operand(Q_A(X))`` (bf16), ``R = fl(float(X) - float(X_hat))`` float32; the
-    score amax is ``max|X|`` (float32 0-d; ``Q_A``'s own amax for dynamic scales: the same bits).
+    ``X_hat`` = the SPEC §3 dequant rounded to bf16 (satfinite at the bf16 max only),
+    ``R = fl(float(X) - float(X_hat))`` float32; the score amax is ``max|X|`` (float32 0-d; ``Q_A``'s
+    own amax for dynamic scales: the same bits).
     """
     qa = nvfp4_act_quantize(x, act_spec, act_amax=act_amax, site=site)
-    x_hat = nvfp4_act_operand(qa)  # bf16, saturated to x.dtype's range (the GEMM operand)
+    # the GEMMs multiply the exact B_X, so no fp16-range clamp here (a clamped x_hat would compensate a
+    # residual the first accumulation never had: x = 65504 in fp16 would come out as 65504 + 224 = inf)
+    x_hat = nvfp4_act_operand(qa, torch.bfloat16)
     r = x.float() - x_hat.float()
     score_amax = tensor_amax(x) if act_spec.global_source == "static" else qa.amax.amax()
     return qa, x_hat, r, score_amax
@@ -197,7 +201,7 @@ class RACResult:
     """Everything the two GEMM accumulations need, plus what diagnostics read.
 
     Attributes:
-        x_hat: bf16 [M, K] = DQ(Q_A(X)) (``nvfp4_act_operand``: saturated to the range of X's dtype).
+        x_hat: bf16 [M, K] = DQ(Q_A(X)) (SPEC §3 dequant, bf16; the residual is ``X - x_hat``).
         comp: bf16 compensation operand: [M, K] (masked, zeros outside S) or [M, K'] (gathered).
         channels: int64 selected channels: [k] (batch/static) or [M, k] (token), sorted ascending.
         gather_index: gathered mode only: int64 [K'] or [M, K'] channel index per compensation
@@ -262,11 +266,7 @@ def rac_reference(
     if cfg.mode == "masked":
         qr = nvfp4_quantize(r, spec=res_spec, name="residual", site=site)
         r_hat = nvfp4_dequantize(qr, torch.float32)
-        mask = torch.zeros(m, k_dim, dtype=torch.bool, device=x.device)
-        if ch.dim() == 1:
-            mask.index_fill_(1, ch, True)  # not mask[:, ch] = True: its scalar is a host tensor (no H2D copy under capture)
-        else:
-            mask.scatter_(1, ch, True)
+        mask = channel_mask(ch, m, k_dim)
         comp = torch.where(mask, r_hat, torch.zeros_like(r_hat)).to(torch.bfloat16)
         return RACResult(x_hat, comp, ch, None, qa, qr, r)
     kp = max(ceil16(ch.shape[-1]), BLOCK)
@@ -283,6 +283,30 @@ def rac_reference(
     qr = nvfp4_quantize(g, spec=res_spec, name="residual", site=site)  # Q_R follows act_spec's global scope
     comp = nvfp4_dequantize(qr, torch.bfloat16)
     return RACResult(x_hat, comp, ch, index, qa, qr, r)
+
+
+def channel_mask(channels: torch.Tensor, m: int, k_dim: int) -> torch.Tensor:
+    """bool ``[M, K]`` mask ``M_S`` of the selected channels (``[k]`` for every row, or ``[M, k]`` per row)."""
+    mask = torch.zeros(m, k_dim, dtype=torch.bool, device=channels.device)
+    if channels.dim() == 1:
+        mask.index_fill_(1, channels, True)  # not mask[:, ch] = True: its scalar is a host tensor (no H2D copy under capture)
+    else:
+        mask.scatter_(1, channels, True)
+    return mask
+
+
+def residual_operand(res: RACResult) -> torch.Tensor:
+    """``B_R``: the compensation GEMM's operand (SPEC §3.1), float32, in the layout of ``res.comp``.
+
+    ``e2m1(Q_R) * s_b`` without the residual's global scale ``S_dec_R`` (which goes to the second
+    accumulation's ``alpha_R = fl(S_dec_R * S_dec_W)``): masked mode ``[M, K]`` with ``M_S`` applied
+    (zeros outside the selected channels), gathered mode ``[M, K']`` (the padding columns are 0).
+    Exact (see :func:`qpass.quant.nvfp4.nvfp4_operand`).
+    """
+    b = nvfp4_operand(res.qr)
+    if res.gather_index is not None:
+        return b
+    return torch.where(channel_mask(res.channels, b.shape[0], b.shape[1]), b, torch.zeros_like(b))
 
 
 def scatter_gathered(comp: torch.Tensor, index: torch.Tensor, k_dim: int) -> torch.Tensor:

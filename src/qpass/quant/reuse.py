@@ -3,9 +3,10 @@
 Inside :func:`reuse_weight_quantization` the weight quantizers memoize their results, so a pass
 that quantizes the same weight version several times computes it once:
 
-* the learner's ``qpass::nvfp4_qdq`` and ``qpass::group_amax`` (every micro-batch of the no-grad
-  proximal pass, and every micro-batch of one gradient-accumulation minibatch, run at the same
-  weights);
+* the learner's ``qpass::nvfp4_qdq_linear`` operand ``(B_W, S_dec_W)`` (forward and backward:
+  :func:`qpass.quant.qdq.learner_weight_operand`), ``qpass::nvfp4_qdq`` and ``qpass::group_amax``
+  (every micro-batch of the no-grad proximal pass, and every micro-batch of one
+  gradient-accumulation minibatch, run at the same weights);
 * :func:`qpass.quant.weights.quantize_site_weights` (weight sync) and
   :func:`qpass.apps.grpo.weights.verify_sync` (the learner-side fingerprint), which quantize the
   same master weights with the same group amax right after each other.

@@ -39,7 +39,9 @@ def _ops() -> tuple[Any, Any, Any]:
     from qpass import ops  # noqa: F401 - registers qpass::nvfp4_linear
     from qpass.quant import qdq  # noqa: F401 - registers qpass::nvfp4_act_qdq
 
-    return (torch.ops.aten.linear.default, torch.ops.qpass.nvfp4_linear.default,
+    from qpass.graph.qgraph import learner_linear_targets
+
+    return ((torch.ops.aten.linear.default, *learner_linear_targets()), torch.ops.qpass.nvfp4_linear.default,
             torch.ops.qpass.nvfp4_act_qdq.default)
 
 
@@ -100,7 +102,7 @@ class SiteRecorder(torch.fx.Interpreter):
             self._qdq_in[n] = x  # the input may be freed before the linear runs
             return out
         sid = n.meta.get("qpass_linear_site")
-        if sid is None or n.target not in (self._linear, self._nvfp4) or sid in self.acts:
+        if sid is None or (n.target not in self._linear and n.target != self._nvfp4) or sid in self.acts:
             return super().run_node(n)
         if self.sites is not None and sid not in self.sites:
             return super().run_node(n)

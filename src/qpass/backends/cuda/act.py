@@ -90,7 +90,8 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
         rac_k: number of compensated channels (None or 0: no RAC). With ``static_mask`` (an int32
             bitmap, :func:`channel_mask`) the channels are given; otherwise the batch top-k by the
             exact scores of ``qpass.quant.rac``.
-        lim: the operand saturation bound of the input dtype (``qpass.quant.nvfp4.act_operand_limit``).
+        lim: the saturation bound of the residual's ``x_hat`` (default: the bf16 max, as
+            ``qpass.quant.rac.activation_residual``: no fp16-range clamp, the GEMM multiplies ``B_X``).
         check: raise on NaN/inf input (synchronises with the host).
         fused: force (True) or forbid (False) the one-CTA kernel; default: by size.
     Raises:
@@ -103,7 +104,7 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     m, k = x.shape
     dev = x.device
     di = dev.index or 0
-    lim = act_operand_limit(x.dtype) if lim is None else lim
+    lim = act_operand_limit(torch.bfloat16) if lim is None else lim
     rac = bool(rac_k)
     base = dict(X_KIND=_X_KIND[x.dtype], PER_TOKEN=int(per_token), THREADS=THREADS)
     small = m * k <= FUSED_MAX_ELEMS and m <= FUSED_MAX_ROWS and k <= FUSED_MAX_K

@@ -1,11 +1,13 @@
-"""NVFP4 weight fake-quant (QUADS learner side, SPEC §2) for megatron-core's parallel linears.
+"""NVFP4 weight fake-quant (QUADS learner side, SPEC §2, factored as SPEC §3.1) for megatron-core's
+parallel linears.
 
 What runs in every forward of a patched ``ColumnParallelLinear`` / ``RowParallelLinear``::
 
     amax  = max|W_shard|                      (and the other members of a fused group, if separate)
     amax  = all_reduce(amax, MAX, TP group)   SPEC §3 rule 1: every rank uses the unsharded amax
-    W_hat = qpass::nvfp4_qdq(W_shard, amax)   qpass's own quantizer, straight-through gradient
-    y     = <Megatron's own _forward_impl>(x, W_hat, ...)
+    B_W   = qpass::nvfp4_operand_ste(W_shard, amax)   e2m1 * s_b of qpass's own quantizer (exact)
+    z     = <Megatron's own _forward_impl>(x, B_W, bias=None, ...)
+    y     = z * S_dec_W (+ bias)              the per-tensor scale once, on the output
 
 Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``; qpass quantizes each of
 those groups with one amax, so the amax over a rank's slice of the fused weight, all-reduced over
@@ -16,12 +18,16 @@ amax is then byte-identical to the slice of the unsharded quantization, and
 full weight.
 
 The hook is ``_forward_impl(input, weight, ...)``, through which both classes route their matmul
-(also the frozen-weight path): Megatron's autograd function then saves ``W_hat`` for the input
-gradient (``dL/dX = dL/dY W_hat``) and the weight gradient flows straight through to ``W``. A
-pre-forward hook that swaps ``weight.data`` would make backward use the unquantized weight, and
-``torch.nn.utils.parametrize`` drops Megatron's tensor-parallel attributes (prior-art §3).
-``gradient_accumulation_fusion`` is switched off on patched layers (the fused wgrad kernel writes
-into ``weight.main_grad`` of the tensor it receives, which would be ``W_hat``).
+(also the frozen-weight path): Megatron's autograd function saves ``B_W`` for the input gradient,
+so ``dL/dX = (dL/dY * S_dec_W) B_W`` (the SPEC's ``S_dec_W * (dL/dY B_W)`` up to where the scale
+is rounded), and ``nvfp4_operand_ste``'s backward turns Megatron's ``dL/dB_W = S_dec_W * dL/dW_hat``
+into the straight-through ``dL/dW = dL/dW_hat = fl(dL/dB_W / S_dec_W)``. Megatron's matmul rounds
+``z`` to the activation dtype before the scale (a bf16 model: one more rounding than the graph
+learner's ``fl(acc * S_dec_W)``). A pre-forward hook that swaps ``weight.data`` would make backward
+use the unquantized weight, and ``torch.nn.utils.parametrize`` drops Megatron's tensor-parallel
+attributes (prior-art §3). ``gradient_accumulation_fusion`` is switched off on patched layers (the
+fused wgrad kernel writes into ``weight.main_grad`` of the tensor it receives, which would be
+``B_W``). :func:`fake_quant_weight` gives the dense ``W_hat`` (what the checks compare).
 
 Requires megatron-core (tested with 0.16.1, TE-free local layers, CPU/gloo and CUDA/NCCL alike).
 """
@@ -86,7 +92,8 @@ def group_amax_of(layer: torch.nn.Module, weight: torch.Tensor | None = None) ->
 
 
 def fake_quant_weight(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """``W_hat = qpass::nvfp4_qdq(weight, group amax)`` with the straight-through gradient."""
+    """The dense ``W_hat = qpass::nvfp4_qdq(weight, group amax)`` (straight-through gradient): what
+    the learner checks compare; the patched forward multiplies :func:`factored_weight` instead."""
     from qpass.quant import qdq  # noqa: F401 - registers torch.ops.qpass.nvfp4_qdq
 
     st: NVFP4WeightQuant = layer.qpass_nvfp4
@@ -95,11 +102,35 @@ def fake_quant_weight(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Ten
     return torch.ops.qpass.nvfp4_qdq(weight, group_amax_of(layer, weight), st.site)
 
 
+def factored_weight(layer: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_W, S_dec_W)`` of the layer's weight shard (SPEC §3.1): ``B_W`` from
+    ``qpass::nvfp4_operand_ste`` (STE backward ``dL/dW = dL/dB_W / S_dec_W``), ``S_dec_W`` float32 0-dim.
+
+    Raises:
+        QuantizationError: K per rank is not a multiple of 16 (names the site).
+    """
+    from qpass.quant import qdq  # noqa: F401 - registers torch.ops.qpass.nvfp4_operand_ste
+    from qpass.quant.nvfp4 import global_scales
+
+    st: NVFP4WeightQuant = layer.qpass_nvfp4
+    if weight.shape[-1] % 16:
+        raise QuantizationError(f"NVFP4 fake-quant of {st.site}: K={weight.shape[-1]} per rank is not a multiple of 16")
+    amax = group_amax_of(layer, weight)
+    return torch.ops.qpass.nvfp4_operand_ste(weight, amax, st.site), global_scales(amax.detach())[1]
+
+
 def _patched_forward_impl(self: torch.nn.Module, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
     orig = type(self)._forward_impl
-    if self.qpass_nvfp4.enabled:
-        weight = fake_quant_weight(self, weight)
-    return orig(self, input, weight, *args, **kwargs)
+    if not self.qpass_nvfp4.enabled:
+        return orig(self, input, weight, *args, **kwargs)
+    if args:  # bias passed positionally (Megatron 0.16 passes keywords)
+        bias, args = args[0], (None, *args[1:])
+    else:
+        bias = kwargs.get("bias")
+        kwargs = {**kwargs, "bias": None}
+    b_w, s_dec = factored_weight(self, weight)
+    out = orig(self, input, b_w, *args, **kwargs) * s_dec
+    return out if bias is None else out + bias
 
 
 def enable_nvfp4_weight_fake_quant(

@@ -143,23 +143,9 @@ def nvfp4_global_scales(b: GraphBuilder, amax: str) -> tuple[str, str]:
     return s_enc, s_dec
 
 
-def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: int, per_token: bool,
-                     operand_limit: float | None = None) -> str:
-    """NVFP4 dynamic fake-quant of ``x`` ``[..., k]`` (any rank >= 1); returns ``x_hat`` of ``x``'s shape.
-
-    Args:
-        x: input value name, element type ``elem_type`` (float/bf16/fp16).
-        k: static size of the last dim, a multiple of 16.
-        dtype: element type of the result (bf16 reproduces the rollout linear's ``DQ(Q_A(x))``,
-            the input type reproduces ``reference_qdq``).
-        per_token: one global scale per row (all leading dims flattened) instead of per tensor.
-        operand_limit: the W4A4 GEMM operand's bound (``qpass.quant.nvfp4.act_operand_limit`` of
-            the activation dtype): ``Clip`` to it before the rounding (``nvfp4_act_operand``);
-            None: no clip (``reference_qdq``).
-    Raises:
-        QuantizationError: ``k`` is not a multiple of 16.
-    Source: SPEC §3 / :func:`qpass.quant.nvfp4.quantize_with_amax`.
-    """
+def _nvfp4_activation_parts(b: GraphBuilder, x: str, k: int, *, elem_type: int, per_token: bool) -> tuple[str, str, str]:
+    """``(v_sb, s_dec, x_blocks)``: the blocks ``[M, nb, 16]`` of ``B = fl(e2m1 * s_b)`` (exact), the
+    decode global scale (float32 scalar, or ``[M, 1, 1]`` per token) and the input blocks."""
     if k % NVFP4_BLOCK:
         raise QuantizationError(f"NVFP4 activation fake-quant needs K % 16 == 0, got K={k} (ONNX input {x})")
     xf = to_float(b, x, elem_type)
@@ -181,6 +167,29 @@ def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: 
         vs = b.op("DequantizeLinear", [q, s_b], "v_sb", axis=2, block_size=NVFP4_BLOCK)  # fl(e2m1 * s_b), exact
     else:
         vs = b.op("Mul", [e2m1_round_portable(b, y), s_b], "v_sb")
+    return vs, s_dec, xb
+
+
+def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: int, per_token: bool,
+                     operand_limit: float | None = None) -> str:
+    """NVFP4 dynamic fake-quant of ``x`` ``[..., k]`` (any rank >= 1); returns the dense ``x_hat`` of
+    ``x``'s shape (a dense tensor: ``qpass::nvfp4_act_qdq``, RAC's residual; the W4A4 GEMM multiplies
+    :func:`nvfp4_activation_operand` instead).
+
+    Args:
+        x: input value name, element type ``elem_type`` (float/bf16/fp16).
+        k: static size of the last dim, a multiple of 16.
+        dtype: element type of the result (bf16 reproduces the rollout linear's ``DQ(Q_A(x))``,
+            the input type reproduces ``reference_qdq``).
+        per_token: one global scale per row (all leading dims flattened) instead of per tensor.
+        operand_limit: the bound of the dense activation (``qpass.quant.nvfp4.act_operand_limit`` of
+            the activation dtype): ``Clip`` to it before the rounding (``nvfp4_act_operand``, the
+            residual's ``DQ(Q_A(X))``); None: no clip (``reference_qdq``).
+    Raises:
+        QuantizationError: ``k`` is not a multiple of 16.
+    Source: SPEC §3 / :func:`qpass.quant.nvfp4.quantize_with_amax`.
+    """
+    vs, s_dec, xb = _nvfp4_activation_parts(b, x, k, elem_type=elem_type, per_token=per_token)
     out = b.op("Mul", [vs, s_dec], "x_hat_blocks")
     out = _poison(b, xb, out, [1, 2] if per_token else None)
     out = b.op("Reshape", [out, b.op("Shape", [x], "x_shape")], "x_hat_f32")
@@ -189,12 +198,56 @@ def nvfp4_activation(b: GraphBuilder, x: str, k: int, *, elem_type: int, dtype: 
     return round_to(b, out, dtype)
 
 
-def nvfp4_weight(b: GraphBuilder, q: NVFP4Tensor, name: str, *, dtype: int, pattern: str = "qpass") -> str:
-    """Decode an NVFP4 weight ``[N, K]`` stored as initializers; returns ``W_hat`` (``dtype``).
+def nvfp4_activation_operand(b: GraphBuilder, x: str, k: int, *, elem_type: int, per_token: bool) -> tuple[str, str]:
+    """The W4A4 GEMM operand of a dynamic NVFP4 activation ``x`` ``[M, k]`` (SPEC §3.1):
+    ``(B_X, S_dec_X)`` with ``B_X = e2m1 * s_b`` float32 ``[M, k]`` (exact; NaN rows/tensor where
+    the input is not finite) and ``S_dec_X`` float32 (scalar, or ``[M, 1]`` per token), which the
+    caller multiplies into the GEMM's output (``alpha``)."""
+    vs, s_dec, xb = _nvfp4_activation_parts(b, x, k, elem_type=elem_type, per_token=per_token)
+    vs = _poison(b, xb, vs, [1, 2] if per_token else None)
+    bx = b.op("Reshape", [vs, b.op("Shape", [x], "x_shape")], "b_x")
+    if per_token:
+        s_dec = b.op("Reshape", [s_dec, b.i64([-1, 1])], "s_dec_rows")
+    return bx, s_dec
+
+
+def nvfp4_weight_operand(b: GraphBuilder, q: NVFP4Tensor, name: str) -> tuple[str, str]:
+    """The NVFP4 weight ``[N, K]`` as the factored GEMM's operand (SPEC §3.1): ``(B_W, S_dec_W)`` with
+    ``B_W = e2m1 * s_b`` float32 ``[N, K]`` (spec flavour: a ``DequantizeLinear`` of the FP4 codes
+    with the block scales, exact) and the float32 scalar initializer ``S_dec_W`` the caller multiplies
+    into the GEMM's output.
 
     Initializers (names ``<name>.weight`` ...): spec flavour ``FLOAT4E2M1 [N, K]`` (the packed
     bytes), ``FLOAT8E4M3FN [N, K/16]`` block scales, float32 scalar ``S_dec``; portable flavour the
     same bytes as ``UINT8 [N, K/2]`` and ``FLOAT8E4M3FN [N, K/16]``.
+
+    Raises:
+        QuantizationError: not a 2-D weight, or a per-token global scale.
+    """
+    n, k = q.shape[-2], q.shape[-1]
+    if len(q.shape) != 2 or q.s_dec.numel() != 1:
+        raise QuantizationError(f"ONNX NVFP4 weight {name}: need a 2-D weight with one global scale, got shape {tuple(q.shape)}, s_dec {tuple(q.s_dec.shape)}")
+    scales = b.raw(q.scales.view(torch.uint8), TensorProto.FLOAT8E4M3FN, [n, k // NVFP4_BLOCK], f"{name}.weight_scale")
+    s_dec = b.raw(q.s_dec.reshape(()).float(), F, [], f"{name}.weight_scale_2")
+    if b.flavour == "spec":
+        b.need_opset(OPSET_FP4)
+        codes = b.raw(q.codes, TensorProto.FLOAT4E2M1, [n, k], f"{name}.weight")
+        s_b = b.op("DequantizeLinear", [scales, b.f32(1.0)], f"{name}.s_b")  # exact e4m3 -> float32
+        vs = b.op("DequantizeLinear", [codes, s_b], f"{name}.b_w", axis=1, block_size=NVFP4_BLOCK)
+    else:
+        codes = b.raw(q.codes, TensorProto.UINT8, [n, k // 2], f"{name}.weight")
+        vals = e2m1_lut_decode(b, unpack_nibbles(b, codes, n, k))
+        s_b = b.op("Cast", [scales], f"{name}.s_b", to=F)
+        vb = b.op("Reshape", [vals, b.i64([n, k // NVFP4_BLOCK, NVFP4_BLOCK])], f"{name}.v_blocks")
+        vs = b.op("Mul", [vb, b.op("Unsqueeze", [s_b, b.i64([-1])], f"{name}.s_b3")], f"{name}.v_sb3")
+        vs = b.op("Reshape", [vs, b.i64([n, k])], f"{name}.b_w")
+    return vs, s_dec
+
+
+def nvfp4_weight(b: GraphBuilder, q: NVFP4Tensor, name: str, *, dtype: int, pattern: str = "qpass") -> str:
+    """Decode an NVFP4 weight ``[N, K]`` stored as initializers to the dense ``W_hat`` (``dtype``):
+    ``fl(B_W * S_dec_W)`` (SPEC §3 dequant; a dense tensor, named so: the rollout linear's ONNX graph
+    multiplies :func:`nvfp4_weight_operand` instead and scales its output).
 
     Args:
         pattern: ``qpass`` (default, SPEC §3 order, bit-exact) or ``double_dq`` (spec flavour only:
@@ -203,30 +256,21 @@ def nvfp4_weight(b: GraphBuilder, q: NVFP4Tensor, name: str, *, dtype: int, patt
     Raises:
         QuantizationError: not a 2-D weight, or a per-token global scale.
     """
-    n, k = q.shape[-2], q.shape[-1]
-    if len(q.shape) != 2 or q.s_dec.numel() != 1:
-        raise QuantizationError(f"ONNX NVFP4 weight {name}: need a 2-D weight with one global scale, got shape {tuple(q.shape)}, s_dec {tuple(q.s_dec.shape)}")
     if pattern not in ("qpass", "double_dq"):
         raise ValueError(f"NVFP4 weight pattern must be 'qpass' or 'double_dq', got {pattern!r}")
-    scales = b.raw(q.scales.view(torch.uint8), TensorProto.FLOAT8E4M3FN, [n, k // NVFP4_BLOCK], f"{name}.weight_scale")
-    s_dec = b.raw(q.s_dec.reshape(()).float(), F, [], f"{name}.weight_scale_2")
-    if b.flavour == "spec":
-        b.need_opset(OPSET_FP4)
-        codes = b.raw(q.codes, TensorProto.FLOAT4E2M1, [n, k], f"{name}.weight")
-        if pattern == "double_dq":
-            sf = b.op("DequantizeLinear", [scales, s_dec], f"{name}.scale_times_global")
-            return round_to(b, b.op("DequantizeLinear", [codes, sf], f"{name}.w_f32", axis=1, block_size=NVFP4_BLOCK), dtype)
-        s_b = b.op("DequantizeLinear", [scales, b.f32(1.0)], f"{name}.s_b")  # exact e4m3 -> float32
-        vs = b.op("DequantizeLinear", [codes, s_b], f"{name}.v_sb", axis=1, block_size=NVFP4_BLOCK)
-    else:
-        if pattern != "qpass":
+    if pattern == "double_dq":
+        if b.flavour != "spec":
             raise ValueError("the double_dq pattern needs FLOAT4E2M1 (spec flavour)")
-        codes = b.raw(q.codes, TensorProto.UINT8, [n, k // 2], f"{name}.weight")
-        vals = e2m1_lut_decode(b, unpack_nibbles(b, codes, n, k))
-        s_b = b.op("Cast", [scales], f"{name}.s_b", to=F)
-        vb = b.op("Reshape", [vals, b.i64([n, k // NVFP4_BLOCK, NVFP4_BLOCK])], f"{name}.v_blocks")
-        vs = b.op("Mul", [vb, b.op("Unsqueeze", [s_b, b.i64([-1])], f"{name}.s_b3")], f"{name}.v_sb3")
-        vs = b.op("Reshape", [vs, b.i64([n, k])], f"{name}.v_sb")
+        n, k = q.shape[-2], q.shape[-1]
+        if len(q.shape) != 2 or q.s_dec.numel() != 1:
+            raise QuantizationError(f"ONNX NVFP4 weight {name}: need a 2-D weight with one global scale, got shape {tuple(q.shape)}, s_dec {tuple(q.s_dec.shape)}")
+        b.need_opset(OPSET_FP4)
+        scales = b.raw(q.scales.view(torch.uint8), TensorProto.FLOAT8E4M3FN, [n, k // NVFP4_BLOCK], f"{name}.weight_scale")
+        s_dec = b.raw(q.s_dec.reshape(()).float(), F, [], f"{name}.weight_scale_2")
+        codes = b.raw(q.codes, TensorProto.FLOAT4E2M1, [n, k], f"{name}.weight")
+        sf = b.op("DequantizeLinear", [scales, s_dec], f"{name}.scale_times_global")
+        return round_to(b, b.op("DequantizeLinear", [codes, sf], f"{name}.w_f32", axis=1, block_size=NVFP4_BLOCK), dtype)
+    vs, s_dec = nvfp4_weight_operand(b, q, name)
     return round_to(b, b.op("Mul", [vs, s_dec], f"{name}.w_f32"), dtype)
 
 

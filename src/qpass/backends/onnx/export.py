@@ -155,15 +155,21 @@ def emit_site_linear(b: GraphBuilder, s: SiteLinear, x: str, *, elem_type: int, 
     """Emit ``y = <the site's rollout op>(x, ...)`` for one site; ``x`` is ``[tokens, K]`` of ``elem_type``.
 
     The operands come from the ``onnx`` table entry of the site's weight spec type; the float32
-    ``MatMul`` (twice with RAC), ``+ bias`` and the one rounding are shared.
+    ``MatMul`` (twice with RAC), the ``Mul`` by each accumulation's ``alpha`` (NVFP4, SPEC §3.1),
+    ``+ bias`` and the one rounding are shared.
     Returns the output value (``out_type``: the model dtype rounding of the float32 accumulator).
     """
     xf = emit.to_float(b, x, elem_type)
     ops = onnx_linear(s.spec).operands(b, s, xf, elem_type)
     acc = b.op("MatMul", [ops.xq, b.op("Transpose", [ops.w], f"{s.site}.w_t", perm=[1, 0])], f"{s.site}.acc")
+    if ops.alpha is not None:  # SPEC §3.1: the per-tensor scales once, on the output
+        acc = b.op("Mul", [acc, ops.alpha], f"{s.site}.acc_alpha")
     if ops.comp is not None:
         w2 = ops.w if ops.cols is None else ops.cols
-        acc = b.op("Add", [acc, b.op("MatMul", [ops.comp, b.op("Transpose", [w2], f"{s.site}.w2_t", perm=[1, 0])], f"{s.site}.acc_comp")], f"{s.site}.acc_total")
+        acc2 = b.op("MatMul", [ops.comp, b.op("Transpose", [w2], f"{s.site}.w2_t", perm=[1, 0])], f"{s.site}.acc_comp")
+        if ops.alpha2 is not None:
+            acc2 = b.op("Mul", [acc2, ops.alpha2], f"{s.site}.acc_comp_alpha")
+        acc = b.op("Add", [acc, acc2], f"{s.site}.acc_total")
     if s.bias is not None:
         bias = b.op("Cast", [b.torch_initializer(s.bias, f"{s.site}.bias")], f"{s.site}.bias_f", to=F)
         acc = b.op("Add", [acc, bias], f"{s.site}.acc_bias")

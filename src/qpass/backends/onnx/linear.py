@@ -9,9 +9,9 @@ spec's *type*, like the other tables: no kind strings. Each entry knows
 * ``from_checkpoint(site, spec, constants, bias, rollout_pass)``: the :class:`SiteLinear` of a saved
   site (``constants``: rollout constant name -> tensor, read under the ``export`` table's names;
   ``rollout_pass(names)`` is the last recipe pass among ``names`` that targets the site, or None);
-* ``operands(b, s, xf)``: the float32 GEMM operands of the site (weight decode, activation
-  fake-quant, RAC compensation) emitted into a :class:`~.builder.GraphBuilder`, with the arithmetic
-  of :mod:`qpass.quant.linear` (see :mod:`.emit`).
+* ``operands(b, s, xf)``: the float32 GEMM operands of the site and their epilogue scales (NVFP4:
+  ``B_W``, ``B_X``, RAC's ``B_R``, ``alpha``s; SPEC §3.1) emitted into a
+  :class:`~.builder.GraphBuilder`, with the arithmetic of :mod:`qpass.quant.linear` (see :mod:`.emit`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from qpass.backends.onnx.rac import emit_rac
 
 F = TensorProto.FLOAT
 BF16 = TensorProto.BFLOAT16
-_ONNX_TO_TORCH = {TensorProto.FLOAT: torch.float32, TensorProto.BFLOAT16: torch.bfloat16, TensorProto.FLOAT16: torch.float16}
 
 
 @dataclasses.dataclass
@@ -88,13 +87,16 @@ class SiteLinear:
 
 @dataclasses.dataclass(frozen=True)
 class Operands:
-    """Float32 GEMM operands of one site: ``y = xq @ w^T (+ comp @ w2^T)`` with ``w2 = cols`` when
-    set (gathered RAC: the gathered, zero-padded weight columns), else ``w``."""
+    """Float32 GEMM operands of one site: ``y = fl(xq @ w^T * alpha) (+ fl(comp @ w2^T * alpha2))``
+    with ``w2 = cols`` when set (gathered RAC: the gathered, zero-padded weight columns), else ``w``;
+    ``alpha`` / ``alpha2`` None means no scale (the operands are dense values: FP8, MXFP4)."""
 
     w: str
     xq: str
     comp: str | None = None
     cols: str | None = None
+    alpha: str | None = None
+    alpha2: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,21 +140,25 @@ def _nvfp4_from_checkpoint(site: str, spec: QuantSpec, c: Mapping[str, torch.Ten
 
 
 def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> Operands:
-    """W4A16 / W4A4 (+RAC). The activation operand is saturated to the range of the site's input
-    dtype ``elem_type`` before its bf16 rounding (``qpass.quant.nvfp4.nvfp4_act_operand``)."""
+    """W4A16 / W4A4 (+RAC), factored (SPEC §3.1): ``B_W`` (a ``DequantizeLinear`` of the FP4 codes
+    with the block scales) times ``X`` or ``B_X``, and ``alpha = S_dec_W`` or ``fl(S_dec_X * S_dec_W)``
+    as a ``Mul`` on the output; RAC adds the second accumulation with ``alpha_R``. The residual is
+    formed from the dense bf16 activation (``qpass.quant.rac.rac_reference``)."""
     k = s.in_features
-    wf = b.op("Cast", [emit.nvfp4_weight(b, s.weight, s.site, dtype=BF16)], f"{s.site}.w_hat", to=F)
+    wf, s_w = emit.nvfp4_weight_operand(b, s.weight, s.site)
     if s.act is None:
-        return Operands(wf, xf)
+        return Operands(wf, xf, alpha=s_w)
     if not isinstance(s.act, NVFP4Spec) or s.act.role != "activation":
         raise QpassError(f"ONNX export: site {s.site} has unknown NVFP4 activation mode {s.act!r}")
     if s.act.global_source != "dynamic":
         raise QpassError(f"ONNX export: site {s.site} has NVFP4 activation mode {s.act_label!r}, which the ONNX emitter does not "
                          "implement (dynamic per-tensor or per-token scales only)")
     per_token = s.act.global_scope == "per_token"
-    lim = act_operand_limit(_ONNX_TO_TORCH.get(elem_type, torch.float32))
+    lim = act_operand_limit(torch.bfloat16)  # RAC's residual: X - bf16(DQ(Q_A(X))), as rac_reference
     if s.rac is not None and (s.rac.selection == "static" or s.rac.num_channels(k) > 0):
         rv = emit_rac(b, xf, k, s.rac, per_token=per_token, static_channels=s.rac_channels, site=s.site, operand_limit=lim)
+        alpha = b.op("Mul", [rv.s_dec_x, s_w], f"{s.site}.alpha")
+        alpha_r = b.op("Mul", [rv.s_dec_r, s_w], f"{s.site}.alpha_r")
         cols = None
         if rv.columns is not None:  # gathered columns of W_hat, zero for the K' - k padding columns
             wg = b.op("Gather", [wf, rv.columns], f"{s.site}.w_cols", axis=1)
@@ -160,9 +166,9 @@ def _nvfp4_operands(b: GraphBuilder, s: SiteLinear, xf: str, elem_type: int) -> 
             pad = b.op("Sub", [b.i64([rv.k_pad]), ncols], f"{s.site}.n_pad")
             pads = b.op("Concat", [b.i64([0, 0, 0]), pad], f"{s.site}.pads", axis=0)
             cols = b.op("Pad", [wg, pads], f"{s.site}.w_cols_pad", mode="constant")
-        return Operands(wf, rv.x_hat, rv.comp, cols)
-    xq = emit.nvfp4_activation(b, xf, k, elem_type=F, dtype=BF16, per_token=per_token, operand_limit=lim)
-    return Operands(wf, b.op("Cast", [xq], f"{s.site}.x_hat", to=F))
+        return Operands(wf, rv.b_x, rv.comp, cols, alpha, alpha_r)
+    b_x, s_x = emit.nvfp4_activation_operand(b, xf, k, elem_type=F, per_token=per_token)
+    return Operands(wf, b_x, alpha=b.op("Mul", [s_x, s_w], f"{s.site}.alpha"))
 
 
 # ------------------------------------------------------------------------------------ FP8

@@ -6,9 +6,10 @@ has no order) and ``TopK`` breaks ties toward the lower index (ONNX TopK contrac
 onnxruntime 1.32 and the ReferenceEvaluator). The shift's ``frexp`` exponent of ``amax(X)`` and
 ``ceil(log2 M)`` are counted against exact power-of-two tables (no ``Log``, no ``Pow``).
 
-Outputs feed two GEMMs exactly as :func:`qpass.quant.linear.w4a4_linear_reference`: ``x_hat``
-(bf16 values) and the compensation operand (masked: ``[M, K]`` bf16 values, zero outside the
-selected channels; gathered: ``[M, K']`` plus the index that picks ``W``'s columns).
+Outputs feed two accumulations exactly as :func:`qpass.quant.linear.nvfp4_linear_reference` (SPEC
+§3.1): ``B_X`` with ``S_dec_X`` and the compensation operand ``B_R`` with ``S_dec_R`` (masked:
+``[M, K]``, zero outside the selected channels; gathered: ``[M, K']`` plus the index that picks
+``B_W``'s columns). The residual itself is formed from the dense ``x_hat`` (``R = X - DQ(Q_A(X))``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from onnx import TensorProto
 from qpass.quant.rac import BLOCK, RACConfig, ceil16
 
 from qpass.backends.onnx.builder import GraphBuilder
-from qpass.backends.onnx.emit import F, nvfp4_activation
+from qpass.backends.onnx.emit import F, nvfp4_activation, nvfp4_activation_operand
 
 BF16 = TensorProto.BFLOAT16
 I64 = TensorProto.INT64
@@ -35,17 +36,20 @@ class RACValues:
     """ONNX value names produced by :func:`emit_rac`.
 
     Attributes:
-        x_hat: float32 ``[M, K]`` holding the bf16 values ``DQ(Q_A(X))``.
-        comp: float32 compensation operand (bf16 values): ``[M, K]`` (masked mode, and gathered
+        b_x: float32 ``[M, K]``: ``B_X = e2m1 * s_b`` of ``Q_A(X)``; s_dec_x its global scale
+            (scalar, or ``[M, 1]`` per token).
+        comp: float32 compensation operand ``B_R``: ``[M, K]`` (masked mode, and gathered
             per-token selections scattered back to dense columns) or ``[M, K']`` (gathered with one
-            channel list for the batch).
-        columns: for ``[M, K']`` operands, int64 ``[k]`` channel ids whose ``W`` columns the second
+            channel list for the batch); s_dec_r its global scale.
+        columns: for ``[M, K']`` operands, int64 ``[k]`` channel ids whose ``B_W`` columns the second
             GEMM uses (the ``K' - k`` padding columns are zero); None otherwise.
         k_pad: ``K'`` (0 when ``columns`` is None).
     """
 
-    x_hat: str
+    b_x: str
+    s_dec_x: str
     comp: str
+    s_dec_r: str
     columns: str | None
     k_pad: int
 
@@ -114,6 +118,7 @@ def emit_rac(
     """
     x_hat = b.op("Cast", [nvfp4_activation(b, x2, k_dim, elem_type=F, dtype=BF16, per_token=per_token,
                                            operand_limit=operand_limit)], "x_hat_f", to=F)
+    b_x, s_dec_x = nvfp4_activation_operand(b, x2, k_dim, elem_type=F, per_token=per_token)
     r = b.op("Sub", [x2, x_hat], "residual")
     k = cfg.num_channels(k_dim)
     if cfg.selection == "static":
@@ -131,7 +136,7 @@ def emit_rac(
         ch = _topk_sorted(b, b.op("Abs", [r], "r_abs"), k)
     per_row = cfg.selection == "token"
     if cfg.mode == "masked":
-        r_hat = nvfp4_activation(b, r, k_dim, elem_type=F, dtype=F, per_token=per_token)
+        r_b, s_dec_r = nvfp4_activation_operand(b, r, k_dim, elem_type=F, per_token=per_token)
         base = r if per_row else b.op("Slice", [r, b.i64([0]), b.i64([1]), b.i64([0])], "r_row0")  # shape donor
         zeros = b.op("Mul", [base, b.f32(0.0)], "mask_zeros")  # +0.0 (r is finite or the output is NaN anyway)
         zeros = b.op("Abs", [zeros], "mask_zeros_pos")
@@ -143,9 +148,8 @@ def emit_rac(
             ch_row = ch
         mask = b.op("ScatterElements", [zeros, ch_row, ones], "mask_f", axis=axis)
         mask = b.op("Greater", [mask, b.f32(0.0)], "mask")
-        comp = b.op("Where", [mask, r_hat, b.f32(0.0)], "comp_masked")
-        comp = b.op("Cast", [b.op("Cast", [comp], "comp_bf16", to=BF16)], "comp", to=F)
-        return RACValues(x_hat, comp, None, 0)
+        comp = b.op("Where", [mask, r_b, b.f32(0.0)], "comp")
+        return RACValues(b_x, s_dec_x, comp, s_dec_r, None, 0)
     kp = max(ceil16(k), BLOCK)
     if per_row:  # GatherElements along axis 1, written as a flat Gather (the ONNX reference
         # evaluator's GatherElements fails for K > 64: numpy.choose's 64-choice limit)
@@ -157,10 +161,10 @@ def emit_rac(
         g = b.op("Gather", [r, ch], "r_gathered", axis=1)
     if kp != k:
         g = b.op("Pad", [g, b.i64([0, 0, 0, kp - k])], "r_gathered_pad", mode="constant")
-    comp = b.op("Cast", [nvfp4_activation(b, g, kp, elem_type=F, dtype=BF16, per_token=per_token)], "comp_g", to=F)
+    comp, s_dec_r = nvfp4_activation_operand(b, g, kp, elem_type=F, per_token=per_token)
     if not per_row:
-        return RACValues(x_hat, comp, ch, kp)
+        return RACValues(b_x, s_dec_x, comp, s_dec_r, ch, kp)
     # per-token gathered: scatter the k real columns of each row back to dense [M, K] (disjoint per row)
     zeros = b.op("Abs", [b.op("Mul", [r, b.f32(0.0)], "dense_zeros_s")], "dense_zeros")
     real = b.op("Slice", [comp, b.i64([0]), b.i64([k]), b.i64([1])], "comp_real")
-    return RACValues(x_hat, b.op("ScatterElements", [zeros, ch, real], "comp_dense", axis=1), None, 0)
+    return RACValues(b_x, s_dec_x, b.op("ScatterElements", [zeros, ch, real], "comp_dense", axis=1), s_dec_r, None, 0)

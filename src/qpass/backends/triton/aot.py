@@ -66,13 +66,19 @@ def variants(lib, full: bool = False):
 
     q = lib.nvfp4_quant._nvfp4_quant_kernel
     base_q = {"x_ptr": P["bf16"], "amax_ptr": P["f32"], "codes_ptr": P["u8"], "scales_ptr": P["u8"], "xhat_ptr": P["bf16"],
-              "senc_ptr": P["f32"], "sdec_ptr": P["f32"], "gamax_bits_ptr": P["i32"], "scores_ptr": P["i64"],
-              "rcolmax_ptr": P["i32"], "rrowmax_ptr": P["i32"], "rabs_ptr": P["f32"]}
+              "bx_ptr": P["bf16"], "senc_ptr": P["f32"], "sdec_ptr": P["f32"], "gamax_bits_ptr": P["i32"],
+              "scores_ptr": P["i64"], "rcolmax_ptr": P["i32"], "rrowmax_ptr": P["i32"], "rabs_ptr": P["f32"]}
     flag_sets = (
-        ("quant_plain", dict(WRITE_CODES=True, WRITE_XHAT=False, WRITE_GLOBAL=True, SCORES=False, RSTATS=False, RABS=False)),
-        ("quant_xhat", dict(WRITE_CODES=False, WRITE_XHAT=True, WRITE_GLOBAL=False, SCORES=False, RSTATS=False, RABS=False)),
-        ("quant_rac_batch", dict(WRITE_CODES=True, WRITE_XHAT=True, WRITE_GLOBAL=True, SCORES=True, RSTATS=True, RABS=False)),
-        ("quant_rac_token", dict(WRITE_CODES=True, WRITE_XHAT=True, WRITE_GLOBAL=True, SCORES=False, RSTATS=True, RABS=True)),
+        ("quant_plain", dict(WRITE_CODES=True, WRITE_XHAT=False, WRITE_GLOBAL=True, SCORES=False, RSTATS=False, RABS=False,
+                             WRITE_BX=False)),
+        ("quant_operand", dict(WRITE_CODES=False, WRITE_XHAT=False, WRITE_GLOBAL=True, SCORES=False, RSTATS=False,
+                               RABS=False, WRITE_BX=True)),
+        ("quant_xhat", dict(WRITE_CODES=False, WRITE_XHAT=True, WRITE_GLOBAL=False, SCORES=False, RSTATS=False, RABS=False,
+                            WRITE_BX=False)),
+        ("quant_rac_batch", dict(WRITE_CODES=True, WRITE_XHAT=False, WRITE_GLOBAL=True, SCORES=True, RSTATS=True, RABS=False,
+                                 WRITE_BX=True)),
+        ("quant_rac_token", dict(WRITE_CODES=True, WRITE_XHAT=False, WRITE_GLOBAL=True, SCORES=False, RSTATS=True, RABS=True,
+                                 WRITE_BX=True)),
     )
     tiles = [(16, 128, 4, 4, 3)]
     if full:
@@ -87,7 +93,7 @@ def variants(lib, full: bool = False):
           "scales_ptr": P["u8"], "comp_ptr": P["bf16"], "senc_ptr": P["f32"], "sdec_ptr": P["f32"]}
     for mask2d, (bm, bk, ri, nw, st) in itertools.product((False, True), tiles):
         c = dict(BM=bm, BK=bk, ROW_ITERS=ri, STAGES=st, PER_ROW=False, MASK_2D=mask2d, WRITE_CODES=True, WRITE_COMP=True,
-                 WRITE_GLOBAL=True)
+                 WRITE_GLOBAL=True, OPERAND=True)
         yield f"residual_masked[mask2d={mask2d},bm={bm},bk={bk},ri={ri},w={nw}]", m, _sig(m, tm, c), c, nw, False
     g = lib.rac._residual_gathered_kernel
     tg = {"x_ptr": P["bf16"], "qa_codes_ptr": P["u8"], "qa_scales_ptr": P["u8"], "qa_sdec_ptr": P["f32"], "idx_ptr": P["i32"],
@@ -95,7 +101,7 @@ def variants(lib, full: bool = False):
           "senc_ptr": P["f32"], "sdec_ptr": P["f32"]}
     for (per_row, idx2d), bm in itertools.product(((False, False), (True, True), (True, False)), (1, 4, 16) if full else (16,)):
         c = dict(BM=bm, BKG=128, PER_ROW=per_row, IDX_2D=idx2d, WRITE_CODES=True, WRITE_COMP=True, WRITE_DENSE=idx2d,
-                 WRITE_GLOBAL=True)
+                 WRITE_GLOBAL=True, OPERAND=True)
         yield f"residual_gathered[per_row={per_row},idx2d={idx2d},bm={bm}]", g, _sig(g, tg, c), c, 4, False
     a = lib.amax
     ta = {"x_ptr": P["bf16"], "out_bits_ptr": P["i32"], "out_ptr": P["f32"]}
@@ -108,8 +114,9 @@ def variants(lib, full: bool = False):
     c = dict(BLOCK=16384)
     yield "amax_single", a._amax_single_kernel, _sig(a._amax_single_kernel, ta, c), c, 8, False
     gm = lib.nvfp4_gemm._nvfp4_gemm_kernel
-    tgm = {"a_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "a2_ptr": P["bf16"],
-           "gidx_ptr": P["i32"], "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}
+    tgm = {"a_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "xs_ptr": P["f32"],
+           "a2_ptr": P["bf16"], "gidx_ptr": P["i32"], "rs_ptr": P["f32"], "bias_ptr": P["bf16"], "out_ptr": P["bf16"],
+           "ws_ptr": P["f32"]}
     g = lib.nvfp4_gemm
     small_k, large_k = g.PROMOTE_K_SMALL, g.PROMOTE_K_LARGE
     # (label, tile config, warps, stages, PROMOTE_K: products per promoted partial sum, 0 = mma)
@@ -136,16 +143,18 @@ def variants(lib, full: bool = False):
                              cfg.num_warps, cfg.num_stages, large_k if promote else 0))
     for label, cfg, nw, ns, promote_k in gemm:
         for seg2, dec in ((0, 0), (1, 0), (2, 0), (0, 1), (2, 1)):
-            c = dict(cfg, SEG2=seg2, A_F32=False, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=dec, PROMOTE_K=promote_k)
+            # W4A4 (+RAC): one activation scale (per tensor); seg2 = 0 is also the per-token variant's shape
+            c = dict(cfg, SEG2=seg2, A_F32=False, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=dec, PROMOTE_K=promote_k,
+                     XS=1 if seg2 else 2, RS=1 if seg2 else 0)
             yield f"gemm_{label}[seg2={seg2}{',lut' if dec else ''}]", gm, _sig(gm, tgm, c), c, nw, ns
     for adt, odt, tdt in (("f32", "f32", tl.float32), ("f16", "f16", tl.float16)):
         for dec in (0, 1):
             c = dict(BM=16, BN=64, BK=128, SPLIT_K=1, STAGES=4, SEG2=0, A_F32=True, HAS_BIAS=False, OUT_DTYPE=tdt,
-                     DECODE=dec, PROMOTE_K=small_k)
+                     DECODE=dec, PROMOTE_K=small_k, XS=0, RS=0)
             yield (f"gemm_{adt}_input{'[lut]' if dec else ''}", gm, _sig(gm, dict(tgm, a_ptr=P[adt], out_ptr=P[odt]), c),
                    c, 4, 4)
     gv = lib.nvfp4_gemv._nvfp4_gemv_kernel
-    tgv = {"x_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"],
+    tgv = {"x_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "xs_ptr": P["f32"],
            "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}
     # (BN, BK, warps) of the GEMV autotune list; representative subset by default
     gv_tiles = [(8, 512, 4)]
@@ -154,19 +163,22 @@ def variants(lib, full: bool = False):
     for (bn, bk, nw), bm, dec in itertools.product(gv_tiles, (1, 2, 4), (0, 1)):
         for pairs, split in ((True, 1), (False, 1), (True, 4)) if (bm, dec) == (1, 0) else ((True, 1),):
             c = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, HAS_BIAS=split == 1, OUT_DTYPE=tl.bfloat16, DECODE=dec,
-                     X_PAIRS=pairs)
+                     X_PAIRS=pairs, XS=dec)  # W4A16 (XS = 0) and W4A4 with one activation scale (XS = 1)
             yield (f"gemv[bm={bm},bn={bn},bk={bk},w={nw}{',lut' if dec else ''}{'' if pairs else ',x16'}"
                    f"{f',split={split}' if split > 1 else ''}]", gv, _sig(gv, tgv, c), c, nw, False)
     # the row count as a compile-time 1: what Triton's specialization of an integer argument equal to 1
     # produces at every M = 1 launch (the H200 run of e986d31 failed to compile exactly this case)
-    c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=0, X_PAIRS=True, M=1)
+    c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=True, OUT_DTYPE=tl.bfloat16, DECODE=0, X_PAIRS=True, M=1, XS=0)
     yield "gemv[bm=1,bn=8,bk=512,w=4,M=1 constexpr]", gv, _sig(gv, tgv, c), c, 4, False
-    c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=False, OUT_DTYPE=tl.float32, DECODE=0, X_PAIRS=False)
+    c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=False, OUT_DTYPE=tl.float32, DECODE=0, X_PAIRS=False, XS=0)
     yield "gemv_f32_input[bm=1,bn=8,bk=512,w=4]", gv, _sig(gv, dict(tgv, x_ptr=P["f32"], out_ptr=P["f32"]), c), c, 4, False
     red = lib.nvfp4_gemm._splitk_reduce_kernel
+    tred = {"ws_ptr": P["f32"], "bias_ptr": P["bf16"], "w_sdec_ptr": P["f32"], "xs_ptr": P["f32"], "rs_ptr": P["f32"]}
     for odt, tdt in (("bf16", tl.bfloat16), ("f32", tl.float32)):
-        c = dict(SPLIT_K=4, HAS_BIAS=True, OUT_DTYPE=tdt, BLOCK=1024)
-        yield f"splitk_reduce[{odt}]", red, _sig(red, {"ws_ptr": P["f32"], "bias_ptr": P["bf16"], "out_ptr": P[odt]}, c), c, 4, False
+        for seg2 in (0, 1):
+            c = dict(SPLIT_K=4, HAS_BIAS=True, OUT_DTYPE=tdt, BLOCK=1024, SEG2=seg2, XS=2, RS=2 if seg2 else 0)
+            yield (f"splitk_reduce[{odt}{',seg2' if seg2 else ''}]", red, _sig(red, dict(tred, out_ptr=P[odt]), c), c, 4,
+                   False)
     fq = lib.fp8._fp8_quant_kernel
     tf = {"x_ptr": P["bf16"], "amax_ptr": P["f32"], "zero_scale": "fp32", "data_ptr": P["u8"], "scale_ptr": P["f32"]}
     for gran, br, bm in ((0, 1, 16), (1, 1, 16), (2, 1, 16), (2, 128, 128)):

@@ -379,7 +379,7 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
     from qpass.backends.triton import fp8_linear_triton, no_sync_checks, w4a4_linear_triton, w4a16_linear_triton
     from qpass.formats.spec import FP8_ACT_BLOCK, NVFP4_ACT
     from qpass.quant.linear import w4a4_linear_reference
-    from qpass.quant.nvfp4 import nvfp4_dequantize
+    from qpass.quant.nvfp4 import nvfp4_operand
     from qpass.quant.rac import RACConfig
 
     dev = _dev()
@@ -394,7 +394,7 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
     w4_b = n * k // 2 + n * k // 16
     rac = RACConfig(0.5, "gathered", "batch")
     w4, w8, x8, w8b = inp.w4, inp.w8, inp.x8, inp.w8b
-    w_hat = None
+    b_w = None
 
     def clone_w4(i):
         return (w4.codes.clone(), w4.scales.clone(), w4.s_dec.clone()) if i else (w4.codes, w4.scales, w4.s_dec)
@@ -440,7 +440,7 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             n * k + x_b, True, n * k + x_b + out_b),
         "torch chain w4a4 (qpass.quant.linear)": (
             lambda i: (inp.x.clone() if i else inp.x,),
-            lambda x: w4a4_linear_reference(x, w4, act_spec=NVFP4_ACT, w_hat=w_hat), x_b, False, w4_b + x_b + out_b),
+            lambda x: w4a4_linear_reference(x, w4, act_spec=NVFP4_ACT, b_w=b_w), x_b, False, w4_b + x_b + out_b),
     }
     for name in PEERS:
         if name in contenders and k % GROUP:
@@ -452,7 +452,7 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
                 res.errors.append(f"{section} / {name} M={m} N={n} K={k}: {type(exc).__name__}: {str(exc)[:300]}")
                 res.add(Row(section, name, m, n, k, mode="failed"))
     if "torch chain w4a4 (qpass.quant.linear)" in contenders:
-        w_hat = nvfp4_dequantize(w4, torch.bfloat16)
+        b_w = nvfp4_operand(w4)
     times: dict[str, float] = {}
     rows: dict[str, Row] = {}
     peer_err = {name: {"rel_err_vs_own_dequant": table[name][5]} for name in PEERS if name in table}
@@ -892,7 +892,7 @@ def run_quick(args) -> Results:
     )
     from qpass.formats.spec import FP8_ACT_BLOCK, NVFP4_ACT, NVFP4_ACT_PER_TOKEN
     from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
-    from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from qpass.quant.nvfp4 import nvfp4_quantize
     from qpass.quant.rac import RACConfig, rac_reference
 
     res = Results()
@@ -927,32 +927,33 @@ def run_quick(args) -> Results:
         check(f"RAC {mode_}/{sel}: qa/qr bytes + channels", same(a.qa, b.qa) and same(a.qr, b.qr)
               and torch.equal(a.channels, b.channels) and torch.equal(a.comp, b.comp))
     w = nvfp4_quantize(torch.randn(n, k) * 0.05)
-    wh = nvfp4_dequantize(w, torch.bfloat16).double()
     xf = x.float()
 
     def rel(y, ref):
         return float((y.double() - ref).norm() / ref.norm())
 
-    e = rel(w4a16_linear_triton(xf, w.codes, w.scales, w.s_dec), xf.double() @ wh.t())
+    def exact(xx, act=None, rac=None):  # fp64 of the factored product of the same operands (SPEC §3.1)
+        from qpass.ops.calls import NVFP4LinearCall
+        from qpass.quant.linear import nvfp4_linear_exact
+
+        return nvfp4_linear_exact(NVFP4LinearCall(x=xx, weight=w, bias=None, act=act, rac=rac, rac_channels=None,
+                                                  site="bench", out_dtype=torch.float32))[0]
+
+    e = rel(w4a16_linear_triton(xf, w.codes, w.scales, w.s_dec), exact(xf))
     check("w4a16 GEMM vs fp64", e < 1e-5, rel_err=e)
-    xh = nvfp4_dequantize(nvfp4_quantize(xf, spec=NVFP4_ACT), torch.bfloat16).double()
-    e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT), xh @ wh.t())
+    e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT), exact(xf, NVFP4_ACT))
     check("w4a4 GEMM vs fp64", e < 1e-5, rel_err=e)
     # the small-M GEMV (forced: under the interpreter the default route is the GEMM), M = 1 and 3
-    # (the 4-row kernel with a masked row), bf16 activations and the W4A4 x_hat operand
+    # (the 4-row kernel with a masked row), bf16 activations and the W4A4 B_X operand
     for mg in (1, 3):
         xg = x[:mg]
-        e = rel(w4a16_linear_triton(xg, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, gemv=True),
-                xg.double() @ wh.t())
+        e = rel(w4a16_linear_triton(xg, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, gemv=True), exact(xg))
         check(f"w4a16 GEMV M={mg} vs fp64", e < 1e-5, rows=mg, rel_err=e)
     xg = xf[:2]
-    xgh = nvfp4_dequantize(nvfp4_quantize(xg, spec=NVFP4_ACT), torch.bfloat16).double()
-    e = rel(w4a4_linear_triton(xg, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, gemv=True), xgh @ wh.t())
+    e = rel(w4a4_linear_triton(xg, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, gemv=True), exact(xg, NVFP4_ACT))
     check("w4a4 GEMV M=2 vs fp64", e < 1e-5, rows=2, rel_err=e)
     cfg = RACConfig(0.5, "masked", "batch")
-    rr = rac_reference(xf, cfg, NVFP4_ACT)
-    e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, rac=cfg),
-            rr.x_hat.double() @ wh.t() + rr.comp.double() @ wh.t())
+    e = rel(w4a4_linear_triton(xf, w.codes, w.scales, w.s_dec, act_spec=NVFP4_ACT, rac=cfg), exact(xf, NVFP4_ACT, cfg))
     check("w4a4+RAC masked GEMM vs fp64", e < 1e-5, rel_err=e)
     w8 = fp8_quantize(torch.randn(n, k) * 0.05, "block_128x128")
     ref8 = fp8_dequantize(fp8_quantize(xf, spec=FP8_ACT_BLOCK), torch.float32).double() @ \

@@ -3,14 +3,15 @@
 * :func:`w4a16_linear_triton`: NVFP4 weights, activations as given (bf16 on the tensor cores;
   fp16/fp32 input multiplies exact float32 copies).
 * :func:`w4a4_linear_triton`: activations quantized to NVFP4 on the fly (dynamic per-tensor or
-  per-token global scale) and decoded in registers by the quantization kernel, optional RAC
-  (second accumulation over the same weight bytes: dense for masked mode, gathered columns for
-  gathered mode).
+  per-token global scale); the quantization kernel hands the GEMM ``B_X = e2m1 * s_b`` and
+  ``S_dec_X``, the GEMM applies ``alpha = fl(S_dec_X * S_dec_W)`` once (SPEC §3.1); optional RAC
+  (a second accumulation over the same weight bytes with its own ``alpha_R``: dense for masked mode,
+  gathered columns for gathered mode).
 * :func:`fp8_linear_triton`: FP8 W8A8: activations quantized by the Triton kernel, GEMM by
   ``torch._scaled_mm`` where its block-scale layout is supported (1x128 x 128x128 on sm_90, bf16
   output), otherwise by the Triton block-scaled kernel.
 
-Outputs equal the reference up to the order of float32 summation.
+Outputs equal the reference up to the order of float32 summation (SPEC §3.1's accumulation bound).
 """
 
 from __future__ import annotations
@@ -86,19 +87,21 @@ def _use_gemv(lib, a, w_codes, a2, gemv: bool | None, accumulation: str | None) 
             and a.shape[0] <= lib.nvfp4_gemv.gemv_auto_max_m(n, k))
 
 
-def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, a2=None, gidx=None, decode=None, accumulation=None,
-          gemv=None):
+def _gemm(a, w_codes, w_scales, sdec, bias, out_dtype, *, xs=None, a2=None, rs=None, gidx=None, decode=None,
+          accumulation=None, gemv=None):
+    """``fl(acc(a B_W^T) * alpha) (+ fl(acc(a2 B_W^T) * alpha_R)) (+ bias)`` (SPEC §3.1): ``xs`` / ``rs``
+    the activation / residual ``S_dec`` (None: W4A16, ``alpha = S_dec_W``)."""
     m = a.shape[0]
     out = torch.empty(m, w_codes.shape[0], dtype=out_dtype, device=a.device)
     b = None if bias is None else bias.contiguous()
     lib = kernel_lib(a.device)
     if _use_gemv(lib, a, w_codes, a2, gemv, accumulation):
         lib.nvfp4_gemv.launch_nvfp4_gemv(a, w_codes, w_scales, sdec, out, bias=b, num_sms=_num_sms(a.device),
-                                         decode=decode or lib.nvfp4_gemm.default_decode())
+                                         decode=decode or lib.nvfp4_gemm.default_decode(), xs=xs)
         return out
     lib.nvfp4_gemm.launch_nvfp4_gemm(
         a, w_codes, w_scales, sdec, out, bias=b, a2=a2, gidx=gidx, num_sms=_num_sms(a.device), decode=decode,
-        accumulation=accumulation,
+        accumulation=accumulation, xs=xs, rs=rs,
     )
     return out
 
@@ -149,13 +152,14 @@ def nvfp4_linear_triton(call, *, decode: str | None = None, accumulation: str | 
     else:
         check_shape(x, "nvfp4_quantize", BLOCK, "activation", call.site)
         if call.rac is None:  # the reference's plain-W4A4 rule (the call derived rac_k == 0)
-            y = _gemm(_act_quant_xhat(x2, call.act, call.site), codes, scales, sdec, call.bias, call.out_dtype,
-                      decode=decode, accumulation=accumulation, gemv=gemv)
+            b_x, s_x = _act_quant_operand(x2, call.act, call.site)
+            y = _gemm(b_x, codes, scales, sdec, call.bias, call.out_dtype, xs=s_x, decode=decode,
+                      accumulation=accumulation, gemv=gemv)
         else:
             ops = rac_run(x2, call.rac, call.act, static_channels=call.rac_channels, site=call.site, outputs="gemm",
                           k=call.rac_k)
-            y = _gemm(ops.x_hat, codes, scales, sdec, call.bias, call.out_dtype, a2=ops.comp, gidx=ops.gather_idx,
-                      decode=decode, accumulation=accumulation)
+            y = _gemm(ops.b_x, codes, scales, sdec, call.bias, call.out_dtype, xs=ops.s_dec_x, a2=ops.b_r,
+                      rs=ops.s_dec_r, gidx=ops.gather_idx, decode=decode, accumulation=accumulation)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -180,9 +184,9 @@ def w4a16_linear_triton(
     return nvfp4_linear_triton(call, decode=decode, accumulation=accumulation, gemv=gemv)
 
 
-def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> torch.Tensor:
-    """bf16 ``x_hat = DQ(Q_A(x2))`` (saturated like ``nvfp4_act_operand``) from one amax pass and one
-    fused quantize-decode pass."""
+def _act_quant_operand(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_X, S_dec_X)`` of ``Q_A(x2)`` (SPEC §3.1): bf16 ``[M, K]`` ``e2m1 * s_b`` (exact) and float32
+    ``[1]`` (per tensor) or ``[M]`` (per token), from one amax pass and one fused quantize pass."""
     per_row = act_spec.global_scope == "per_token"
     if per_row:
         amax, _ = amax_rows(x2, need_global=False)
@@ -192,9 +196,12 @@ def _act_quant_xhat(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) -> 
         amax = gbits.view(torch.float32)
     if sync_checks_enabled(x2.device):
         raise_if_nonfinite(gbits, x2, "nvfp4_quantize", "activation", site)
-    x_hat = torch.empty(x2.shape, dtype=torch.bfloat16, device=x2.device)
-    kernel_lib(x2.device).nvfp4_quant.launch_nvfp4_quant(x2, amax, per_row, xhat=x_hat, xhat_lim=act_operand_limit(x2.dtype))
-    return x_hat
+    b_x = torch.empty(x2.shape, dtype=torch.bfloat16, device=x2.device)
+    s_enc = torch.empty(x2.shape[0] if per_row else 1, dtype=torch.float32, device=x2.device)
+    s_dec = torch.empty_like(s_enc)
+    kernel_lib(x2.device).nvfp4_quant.launch_nvfp4_quant(x2, amax, per_row, bx=b_x, s_enc=s_enc, s_dec=s_dec,
+                                                         xhat_lim=act_operand_limit(x2.dtype))
+    return b_x, s_dec
 
 
 def w4a4_linear_triton(

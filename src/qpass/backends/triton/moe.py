@@ -9,7 +9,8 @@ For one MoE projection (e.g. the W13 = gate/up input of every expert of a layer)
 2. per expert segment: the dynamic NVFP4 activation quantization (and RAC masked-mode residual)
    over *that expert's tokens* — the global amax and RAC's channel scores are per expert, exactly
    as the per-expert rollout op computes them (``qpass.ops.nvfp4_linear`` on the expert's rows).
-3. one grouped GEMM (``kernels/nvfp4_grouped.py``) over the concatenated operands.
+3. one grouped GEMM (``kernels/nvfp4_grouped.py``) over the concatenated operands ``B_X`` / ``B_R``
+   with each row's ``S_dec_X`` / ``S_dec_R`` (SPEC §3.1: ``alpha = fl(S_dec_X * S_dec_W[e])``).
 
 Quantized operands are bit-identical to the per-expert reference (:func:`grouped_reference`,
 ``qpass.quant.linear.w4a4_linear_reference`` per expert); the GEMM equals each expert launched alone
@@ -27,7 +28,7 @@ from qpass.formats.spec import NVFP4Spec
 from qpass.quant.nvfp4 import NVFP4Tensor
 from qpass.quant.rac import RACConfig
 from qpass.backends.triton._loader import kernel_lib
-from qpass.backends.triton.linear import _act_quant_xhat
+from qpass.backends.triton.linear import _act_quant_operand
 from qpass.backends.triton.rac import rac_run
 
 
@@ -74,8 +75,11 @@ def grouped_w4a4_triton(
     codes, scales, sdec = stack_experts(weights)
     m, k = x_sorted.shape
     use_rac = rac is not None and rac.num_channels(k) > 0
-    a = torch.empty(m, k, dtype=torch.bfloat16, device=x_sorted.device)
-    a2 = torch.zeros(m, k, dtype=torch.bfloat16, device=x_sorted.device) if use_rac else None
+    dev = x_sorted.device
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)  # B_X of every segment
+    xs = torch.zeros(m, dtype=torch.float32, device=dev)  # S_dec_X of each row (its expert's, or its own per token)
+    a2 = torch.zeros(m, k, dtype=torch.bfloat16, device=dev) if use_rac else None
+    rs = torch.zeros(m, dtype=torch.float32, device=dev) if use_rac else None
     for e in range(len(offs) - 1):
         lo, hi = offs[e], offs[e + 1]
         if hi == lo:
@@ -83,13 +87,13 @@ def grouped_w4a4_triton(
         seg = x_sorted[lo:hi]
         if use_rac:
             ops = rac_run(seg, rac, act_spec, outputs="gemm")
-            a[lo:hi] = ops.x_hat
-            a2[lo:hi] = ops.comp
+            a[lo:hi], xs[lo:hi] = ops.b_x, ops.s_dec_x
+            a2[lo:hi], rs[lo:hi] = ops.b_r, ops.s_dec_r
         else:
-            a[lo:hi] = _act_quant_xhat(seg, act_spec, None)
-    out = torch.empty(m, codes.shape[1], dtype=out_dtype or x_sorted.dtype, device=x_sorted.device)
-    return kernel_lib(x_sorted.device).nvfp4_grouped.launch_grouped(a, codes, scales, sdec, list(offs), out, a2=a2,
-                                                                   params=params)
+            a[lo:hi], xs[lo:hi] = _act_quant_operand(seg, act_spec, None)
+    out = torch.empty(m, codes.shape[1], dtype=out_dtype or x_sorted.dtype, device=dev)
+    return kernel_lib(dev).nvfp4_grouped.launch_grouped(a, codes, scales, sdec, list(offs), out, xs=xs, a2=a2, rs=rs,
+                                                        params=params)
 
 
 def grouped_reference(

@@ -33,10 +33,10 @@ import torch
 
 from qpass.formats.spec import NVFP4_ACT
 from qpass.quant.groups import group_amax
-from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from qpass.quant.rac import RACConfig, rac_reference
+from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_operand, nvfp4_quantize
+from qpass.quant.rac import RACConfig, rac_reference, residual_operand
 from qpass.backends.triton._loader import kernel_lib
-from qpass.backends.triton.linear import _act_quant_xhat, w4a4_linear_triton
+from qpass.backends.triton.linear import _act_quant_operand, w4a4_linear_triton
 from qpass.backends.triton.moe import grouped_reference, grouped_w4a4_triton, sort_by_expert, stack_experts
 from qpass.backends.triton.rac import rac_run
 from qpass.backends.triton.selfcheck import Report
@@ -62,17 +62,20 @@ def _problem(t: int, e: int, k_top: int, n: int, k: int, dev: str, seed: int):
 
 
 def _operands(xs, offs, rac):
+    """``(B_X, S_dec_X per row, B_R, S_dec_R per row)`` of every expert segment (SPEC §3.1)."""
     a = torch.empty(xs.shape, dtype=torch.bfloat16, device=xs.device)
+    sx = torch.zeros(xs.shape[0], dtype=torch.float32, device=xs.device)
     a2 = torch.zeros_like(a) if rac else None
+    sr = torch.zeros_like(sx) if rac else None
     for e in range(len(offs) - 1):
         lo, hi = offs[e], offs[e + 1]
         if hi > lo:
             if rac:
                 o = rac_run(xs[lo:hi], RAC, NVFP4_ACT, outputs="gemm")
-                a[lo:hi], a2[lo:hi] = o.x_hat, o.comp
+                a[lo:hi], sx[lo:hi], a2[lo:hi], sr[lo:hi] = o.b_x, o.s_dec_x, o.b_r, o.s_dec_r
             else:
-                a[lo:hi] = _act_quant_xhat(xs[lo:hi], NVFP4_ACT, None)
-    return a, a2
+                a[lo:hi], sx[lo:hi] = _act_quant_operand(xs[lo:hi], NVFP4_ACT, None)
+    return a, sx, a2, sr
 
 
 def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: str, tag: str) -> None:
@@ -81,9 +84,9 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
     lib = kernel_lib(xs.device).nvfp4_grouped
     for rac in (False, True):
         name = f"{tag} T={t} E={e} top{k_top} N={n} K={k} {'rac50' if rac else 'w4a4'}"
-        a, a2 = _operands(xs, offs, rac)
+        a, sx, a2, sr = _operands(xs, offs, rac)
 
-        def operands_bitexact(a=a, a2=a2, rac=rac):
+        def operands_bitexact(a=a, sx=sx, a2=a2, sr=sr, rac=rac):
             bad = 0
             for j in range(e):
                 lo, hi = offs[j], offs[j + 1]
@@ -91,16 +94,20 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
                     continue
                 if rac:
                     r = rac_reference(xs[lo:hi], RAC, NVFP4_ACT)
-                    bad += int(not torch.equal(r.x_hat, a[lo:hi])) + int(not torch.equal(r.comp, a2[lo:hi]))
+                    bad += int(not torch.equal(nvfp4_operand(r.qa, torch.bfloat16), a[lo:hi]))
+                    bad += int(not torch.equal(residual_operand(r).to(torch.bfloat16), a2[lo:hi]))
+                    bad += int(not torch.equal(r.qr.s_dec.reshape(()).expand(hi - lo), sr[lo:hi]))
+                    q = r.qa
                 else:
-                    xh = nvfp4_dequantize(nvfp4_quantize(xs[lo:hi], spec=NVFP4_ACT), torch.bfloat16)
-                    bad += int(not torch.equal(xh, a[lo:hi]))
+                    q = nvfp4_quantize(xs[lo:hi], spec=NVFP4_ACT)
+                    bad += int(not torch.equal(nvfp4_operand(q, torch.bfloat16), a[lo:hi]))
+                bad += int(not torch.equal(q.s_dec.reshape(()).expand(hi - lo), sx[lo:hi]))
             return bad == 0, f"{bad} expert operand(s) differ from the reference quantizer"
 
         out = torch.empty(xs.shape[0], n, dtype=torch.float32, device=xs.device)
-        lib.launch_grouped(a, codes, scales, sdec, offs, out, a2=a2)
+        lib.launch_grouped(a, codes, scales, sdec, offs, out, xs=sx, a2=a2, rs=sr)
 
-        def tiles_independent(out=out, a=a, a2=a2):
+        def tiles_independent(out=out, a=a, sx=sx, a2=a2, sr=sr):
             bad = 0
             for j in range(e):
                 lo, hi = offs[j], offs[j + 1]
@@ -108,12 +115,13 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
                     continue
                 alone = torch.empty(hi - lo, n, dtype=torch.float32, device=xs.device)
                 lib.launch_grouped(a[lo:hi].contiguous(), codes[j:j + 1].contiguous(), scales[j:j + 1].contiguous(),
-                                   sdec[j:j + 1].contiguous(), [0, hi - lo], alone,
-                                   a2=None if a2 is None else a2[lo:hi].contiguous())
+                                   sdec[j:j + 1].contiguous(), [0, hi - lo], alone, xs=sx[lo:hi].contiguous(),
+                                   a2=None if a2 is None else a2[lo:hi].contiguous(),
+                                   rs=None if sr is None else sr[lo:hi].contiguous())
                 bad += int(not torch.equal(alone, out[lo:hi]))
             return bad == 0, f"{bad} expert(s) differ when launched alone"
 
-        def accuracy(out=out, a=a, a2=a2, rac=rac):
+        def accuracy(out=out, a=a, sx=sx, a2=a2, sr=sr, rac=rac):
             worst, worst_ref = 0.0, 0.0
             # float32 input (an exact copy of the bf16 tokens: same quantized bytes) -> float32 output
             ref = grouped_reference(xs.float(), offs, wq, act_spec=NVFP4_ACT, rac=RAC if rac else None)
@@ -121,10 +129,10 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
                 lo, hi = offs[j], offs[j + 1]
                 if hi == lo:
                     continue
-                w_hat = nvfp4_dequantize(wq[j], torch.bfloat16).double()
-                exact = a[lo:hi].double() @ w_hat.t()
+                b_w, s_w = nvfp4_operand(wq[j]).double(), wq[j].s_dec.double()
+                exact = (a[lo:hi].double() @ b_w.t()) * (sx[lo:hi].double() * s_w)[:, None]
                 if a2 is not None:
-                    exact = exact + a2[lo:hi].double() @ w_hat.t()
+                    exact = exact + (a2[lo:hi].double() @ b_w.t()) * (sr[lo:hi].double() * s_w)[:, None]
                 worst = max(worst, _rel(out[lo:hi], exact))
             worst_ref = _rel(out, ref)
             return worst < 1e-5 and worst_ref < 1e-5, f"max rel_fro vs fp64 {worst:.2e}; vs per-expert reference {worst_ref:.2e}"
@@ -140,7 +148,7 @@ def bench_shape(rows: list, t: int, e: int, k_top: int, n: int, k: int, dev: str
     xs, offs, wq = _problem(t, e, k_top, n, k, dev, seed=t * 7 + n)
     codes, scales, sdec = stack_experts(wq)
     lib = kernel_lib(xs.device).nvfp4_grouped
-    a, a2 = _operands(xs, offs, True)
+    a, sx, a2, sr = _operands(xs, offs, True)
     out = torch.empty(xs.shape[0], n, dtype=torch.bfloat16, device=dev)
     w_bf16 = [nvfp4_dequantize(w, torch.bfloat16) for w in wq]
     segs = [(offs[j], offs[j + 1]) for j in range(e) if offs[j + 1] > offs[j]]
@@ -156,7 +164,7 @@ def bench_shape(rows: list, t: int, e: int, k_top: int, n: int, k: int, dev: str
                 w4a4_linear_triton(xs[lo:hi], wq[j].codes, wq[j].scales, wq[j].s_dec, act_spec=NVFP4_ACT, rac=RAC)
 
     cases = {
-        "grouped_gemm_rac_operands_ready": lambda: lib.launch_grouped(a, codes, scales, sdec, offs, out, a2=a2),
+        "grouped_gemm_rac_operands_ready": lambda: lib.launch_grouped(a, codes, scales, sdec, offs, out, xs=sx, a2=a2, rs=sr),
         "grouped_w4a4_rac_end_to_end": lambda: grouped_w4a4_triton(xs, offs, wq, act_spec=NVFP4_ACT, rac=RAC),
         "per_expert_w4a4_rac_loop": per_expert_loop,
         "bf16_per_expert_mm_loop": bf16_loop,

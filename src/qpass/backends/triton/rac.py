@@ -12,6 +12,10 @@ number of channels ``k = floor(ratio*K)`` is static, so shapes never depend on d
 4. residual pass (``kernels/rac.py``): masked (all of R, then mask) or gathered (selected
    channels as their own blocks).
 
+For the GEMM the kernels write the operands of SPEC §3.1, ``B_X`` and ``B_R`` (``e2m1 * s_b``, exact
+in bf16) with their global scales ``S_dec_X`` / ``S_dec_R`` (the GEMM's ``alpha`` and ``alpha_R``);
+for parity the dense views ``x_hat`` / ``comp`` of the reference.
+
 Bytes (``qa``, ``qr``), selected channels and operands equal :func:`qpass.quant.rac.rac_reference`.
 """
 
@@ -32,19 +36,25 @@ from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows,
 
 @dataclasses.dataclass(frozen=True)
 class RACOperands:
-    """What the W4A4+RAC GEMM consumes, plus the parity views.
+    """What the W4A4+RAC GEMM consumes (SPEC §3.1: two accumulations, each with its own alpha), or
+    the parity views.
 
     Attributes:
-        x_hat: bf16 ``[M, K]`` = DQ(Q_A(X)).
-        comp: bf16 compensation operand: ``[M, K]`` (masked, or per-token gathered scattered back
-            to dense) or ``[M, K']`` (batch/static gathered).
-        gather_idx: int32 ``[K']`` channel per compensation column (-1 = padding) when ``comp`` is
-            ``[M, K']``; None when ``comp`` is dense.
-        result: the :class:`~qpass.quant.rac.RACResult` (parity mode) or None.
+        b_x: bf16 ``[M, K]`` = ``B_X = e2m1 * s_b`` of ``Q_A(X)`` (exact); None in parity/bytes mode.
+        s_dec_x: float32 ``[1]`` (per tensor) or ``[M]`` (per token): ``S_dec_X``.
+        b_r: bf16 compensation operand ``B_R``: ``[M, K]`` (masked: ``M_S`` applied, or per-token
+            gathered scattered back to dense) or ``[M, K']`` (batch/static gathered); None in
+            parity/bytes mode.
+        s_dec_r: float32 ``[1]`` or ``[M]``: ``S_dec_R``, the residual quantization's global scale.
+        gather_idx: int32 ``[K']`` channel per compensation column (-1 = padding) when ``b_r`` is
+            ``[M, K']``; None when it is dense.
+        result: the :class:`~qpass.quant.rac.RACResult` (parity / bytes mode) or None.
     """
 
-    x_hat: torch.Tensor
-    comp: torch.Tensor
+    b_x: torch.Tensor | None
+    s_dec_x: torch.Tensor
+    b_r: torch.Tensor | None
+    s_dec_r: torch.Tensor
     gather_idx: torch.Tensor | None
     result: RACResult | None
 
@@ -77,7 +87,8 @@ def rac_run(
         x, cfg, act_spec, static_channels, site: as :func:`qpass.quant.rac.rac_reference`.
         outputs: ``"parity"``: everything the reference returns (``qa``/``qr`` bytes, ``x_hat``,
             ``comp``, channels, gather index, and ``residual`` formed in torch) as a
-            :class:`RACResult`; ``"gemm"``: only the GEMM operands (``x_hat``, ``comp``, index);
+            :class:`RACResult`; ``"gemm"``: only the GEMM operands (``B_X``, ``B_R``, their
+            ``S_dec``, index);
             ``"bytes"``: only the quantized bytes (``qa``, ``qr``, channels, index) in a
             :class:`RACResult` whose ``x_hat``/``comp``/``residual`` are None.
         k: channels to compensate as the op's call derived them (``NVFP4LinearCall.rac_k``);
@@ -100,7 +111,7 @@ def rac_run(
     lib = kernel_lib(dev)
     checks = sync_checks_enabled(dev)
     per_row = act_spec.global_scope == "per_token"
-    lim = act_operand_limit(x2.dtype)  # x_hat saturated to the activation dtype's range (nvfp4_act_operand)
+    lim = act_operand_limit(torch.bfloat16)  # x_hat = the bf16 dequant (rac_reference: no fp16-range clamp)
     sel = cfg.selection
     gathered = cfg.mode == "gathered"
 
@@ -132,7 +143,8 @@ def rac_run(
     qa_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if write_qa else None
     qa_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
     qa_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
-    x_hat = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
+    x_hat = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if parity else None  # the dense view
+    b_x = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops and not parity else None  # B_X
     need_rstats = not (gathered and per_row)
     # the atomically accumulated statistics share one zero-filled buffer (one memset launch)
     n_sc = kd if sel == "batch" else 0
@@ -143,7 +155,7 @@ def rac_run(
     rrowmax = stats[8 * n_sc + 4 * kd:].view(torch.int32) if need_rstats else None
     rabs = torch.empty(m, kd, dtype=torch.float32, device=dev) if sel == "token" else None
     lib.nvfp4_quant.launch_nvfp4_quant(
-        x2, amax_x, per_row, codes=qa_codes, scales=qa_scales, xhat=x_hat, s_enc=qa_senc, s_dec=qa_sdec,
+        x2, amax_x, per_row, codes=qa_codes, scales=qa_scales, xhat=x_hat, bx=b_x, s_enc=qa_senc, s_dec=qa_sdec,
         gamax_bits=gbits, log2m=_log2_ceil(m), scores=scores, rcolmax=rcolmax, rrowmax=rrowmax, rabs=rabs,
         xhat_lim=lim,
     )
@@ -166,11 +178,11 @@ def rac_run(
         comp = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
         qr_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if want_bytes else None
         qr_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
-        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
-        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
+        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
         lib.rac.launch_residual_masked(
             x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec,
-            xhat_lim=lim,
+            xhat_lim=lim, operand=not parity,
         )
         gemm_comp, gidx = comp, None
         if want_bytes:
@@ -189,11 +201,12 @@ def rac_run(
         dense = torch.zeros(m, kd, dtype=torch.bfloat16, device=dev) if ch.dim() == 2 and want_ops else None
         qr_codes = torch.empty(m, kp // 2, dtype=torch.uint8, device=dev) if want_bytes else None
         qr_scales = torch.empty(m, kp // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
-        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
-        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev) if want_bytes else None
+        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
+        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
         lib.rac.launch_residual_gathered(
             x2, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row,
             codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec, xhat_lim=lim,
+            operand=not parity,
         )
         gemm_comp, gidx = (dense, None) if dense is not None else (comp_g, idx)
         comp = comp_g
@@ -208,7 +221,9 @@ def rac_run(
         qa = _nvt(qa_codes, qa_scales, qa_senc, qa_sdec, amax_qa, (m, kd), x.dtype, act_spec, per_row)
         residual = x2.float() - x_hat.float() if parity else None
         result = RACResult(x_hat, comp, ch, gather_index, qa, qr, residual)
-    return RACOperands(x_hat=x_hat, comp=gemm_comp, gather_idx=gidx, result=result)
+    gemm = want_ops and not parity
+    return RACOperands(b_x=b_x, s_dec_x=qa_sdec, b_r=gemm_comp if gemm else None, s_dec_r=qr_sdec,
+                       gather_idx=gidx if gemm else None, result=result)
 
 
 def rac_triton(

@@ -109,14 +109,35 @@ def _rel(y, ref) -> float:
 
 
 def _cublas_floor(parts, bias, ref) -> float | None:
-    """Relative error of cuBLAS on the same bf16 terms (``sum_i A_i @ W_i^T`` as one GEMM over the
-    concatenated K, fp32 accumulate and output), or None off CUDA: the fp32-accumulation floor of
-    a tensor-core GEMM at this shape, reported beside our kernel's error."""
-    a = torch.cat([p[0] for p in parts], 1)
-    if a.device.type != "cuda":
+    """Relative error of cuBLAS on the same exact bf16 terms (``sum_i fl(A_i @ W_i^T * alpha_i)``,
+    fp32 accumulate and output; ``parts`` = ``(A, W, alpha)`` of :func:`qpass.quant.linear.nvfp4_gemm_terms`),
+    or None off CUDA: the fp32-accumulation floor of a tensor-core GEMM at this shape, reported
+    beside our kernel's error."""
+    if parts[0][0].device.type != "cuda":
         return None
-    w = torch.cat([p[1] for p in parts], 1)
-    return _rel(torch.mm(a, w.t(), out_dtype=torch.float32) + bias, ref)
+    y = sum(torch.mm(a.to(torch.bfloat16), w.to(torch.bfloat16).t(), out_dtype=torch.float32) * al for a, w, al in parts)
+    return _rel(y + bias, ref)
+
+
+def _call(x, w, bias=None, act=None, rac=None, static=None):
+    """The typed call of one NVFP4 linear (``qpass.ops.calls.NVFP4LinearCall``)."""
+    from qpass.ops.calls import NVFP4LinearCall
+
+    return NVFP4LinearCall(x=x, weight=w, bias=bias, act=act, rac=rac, rac_channels=static, site="selfcheck",
+                           out_dtype=torch.float32)
+
+
+def _exact(x, w, bias=None, act=None, rac=None, static=None):
+    """fp64 value of the factored product (SPEC §3.1) of the same quantized operands."""
+    from qpass.quant.linear import nvfp4_linear_exact
+
+    return nvfp4_linear_exact(_call(x, w, bias, act, rac, static))[0]
+
+
+def _terms(x, w, act=None, rac=None, static=None):
+    from qpass.quant.linear import nvfp4_gemm_terms
+
+    return nvfp4_gemm_terms(_call(x, w, None, act, rac, static))
 
 
 def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False, tiny: bool = False) -> None:
@@ -125,7 +146,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
     from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
     from qpass.quant.mxfp4 import mxfp4_quantize
     from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-    from qpass.quant.rac import RACConfig, rac_reference, scatter_gathered
+    from qpass.quant.rac import RACConfig, rac_reference
     from qpass.backends.triton import (
         fp8_linear_triton,
         fp8_quantize_triton,
@@ -206,7 +227,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
             blocks = torch.exp(torch.empty(n, k // 16, 1, device=dev).uniform_(-9, 9))
             wf = (torch.randn(n, k // 16, 16, device=dev) * blocks).reshape(n, k)
             w = nvfp4_quantize(wf.to(torch.bfloat16))
-            wh = nvfp4_dequantize(w, torch.bfloat16).float()
+            wh = nvfp4_dequantize(w, torch.float32)  # fl(B * S_dec): a one-hot row's fl(acc * alpha)
             cols = torch.arange(k, device=dev) if m >= k else torch.randperm(k, device=dev)[:m]
             x = torch.zeros(cols.numel(), k, device=dev, dtype=torch.bfloat16)
             x[torch.arange(cols.numel(), device=dev), cols] = 1.0
@@ -228,16 +249,15 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
     def gemm_w4a16():
         w = nvfp4_quantize((torch.randn(n_big, n_big, device=dev) * 0.02).to(torch.bfloat16))
-        whb = nvfp4_dequantize(w, torch.bfloat16)
-        wh = whb.double()
         errs, mma, floors = {}, {}, {}
         for m in (1, 16, 128, m_big):
             x = _acts(m, n_big, dev)
+            ref = _exact(x, w)
             y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32)
-            errs[m] = _rel(y, x.double() @ wh.t())
+            errs[m] = _rel(y, ref)
             y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, out_dtype=torch.float32, accumulation="mma")
-            mma[m] = _rel(y, x.double() @ wh.t())
-            floors[m] = _cublas_floor([(x, whb)], 0.0, x.double() @ wh.t())
+            mma[m] = _rel(y, ref)
+            floors[m] = _cublas_floor(_terms(x, w), 0.0, ref)
         fmt = lambda d: "{" + ", ".join(f"{a}: {b:.1e}" for a, b in d.items()) + "}"  # noqa: E731
         fl = "" if floors[1] is None else f"; cuBLAS on the same bf16 terms: {fmt(floors)}"
         return max(errs.values()) < 1e-5, f"rel err by M: {fmt(errs)}; with accumulation='mma': {fmt(mma)}{fl}"
@@ -245,19 +265,19 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
     rep.run(f"W4A16 bf16 GEMM N=K={n_big} vs fp64", gemm_w4a16)
 
     def gemv(shapes, decode=None):
-        """Small-M GEMV (M = 1..4, ``gemv=True``) vs fp64 of the same dequantized operands, the
-        GEMM's bound (< 1e-5); the tensor-core GEMM (``gemv=False``) and cuBLAS on the same inputs
+        """Small-M GEMV (M = 1..4, ``gemv=True``) vs fp64 of the same factored operands (SPEC §3.1),
+        the GEMM's bound (< 1e-5); the tensor-core GEMM (``gemv=False``) and cuBLAS on the same inputs
         are reported beside it; a repeated call must give the same bits (no atomics)."""
+        from qpass.quant.linear import nvfp4_linear_reference
+
         def f():
             errs, gemm, floors, bad = {}, {}, {}, []
             for n, k in shapes:
                 w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
-                whb = nvfp4_dequantize(w, torch.bfloat16)
-                wh = whb.double()
                 bias = torch.randn(n, device=dev)
                 for m in (1, 3) if tiny else (1, 2, 3, 4):
                     x = _acts(m, k, dev)
-                    ref = x.double() @ wh.t() + bias.double()
+                    ref = _exact(x, w, bias)
                     key = f"{n}x{k} M={m}"
                     y = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32, decode=decode,
                                             gemv=True)
@@ -268,10 +288,11 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                         bad.append(f"{key}: repeated call differs")
                     gemm[key] = _rel(w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias, out_dtype=torch.float32,
                                                          decode=decode, gemv=False), ref)
-                    floors[key] = _cublas_floor([(x, whb)], bias, ref)
+                    floors[key] = _cublas_floor(_terms(x, w), bias, ref)
                     # bf16 output through the default route (the GEMV on CUDA) vs the reference op
                     yb = w4a16_linear_triton(x, w.codes, w.scales, w.s_dec, bias.to(torch.bfloat16), decode=decode)
-                    rb = (x.float() @ whb.float().t() + bias.to(torch.bfloat16).float())
+                    c = _call(x, w, bias.to(torch.bfloat16))
+                    rb = nvfp4_linear_reference(c).float()
                     if not bool(((yb.float() - rb).abs() <= 2**-7 * rb.abs() + 1e-3 * rb.abs().max()).all()):
                         bad.append(f"{key}: bf16 output off the reference by more than rounding")
             worst = max(errs.values())
@@ -290,26 +311,22 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
     def gemv_w4a4():
         n, k = (64, 256) if tiny else (4096, 4096)
         w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
-        wh = nvfp4_dequantize(w, torch.bfloat16).double()
         errs = {}
         for m, pt in ((1, False), (4, True)) if tiny else ((1, False), (3, False), (4, True)):
             spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
             x = _acts(m, k, dev)
-            xh = nvfp4_dequantize(nvfp4_quantize(x, spec=spec), torch.bfloat16)
             y = w4a4_linear_triton(x, w.codes, w.scales, w.s_dec, act_spec=spec, out_dtype=torch.float32, gemv=True)
-            errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, xh.double() @ wh.t())
+            errs[f"M={m}{'/tok' if pt else ''}"] = _rel(y, _exact(x, w, act=spec))
         worst = max(errs.values())
         return worst < 1e-5, f"max rel err {worst:.2e}; " + ", ".join(f"{a}: {b:.1e}" for a, b in errs.items())
 
-    rep.run("W4A4 GEMV (x_hat operand) M=1..4 vs fp64", gemv_w4a4)
+    rep.run("W4A4 GEMV (B_X operand, alpha epilogue) M=1..4 vs fp64", gemv_w4a4)
 
     def gemm_w4a4(n, k, decode=None, compare_mma=False):
         """Gated on the default (two-level) accumulation; ``compare_mma`` also reports the error of
         ``accumulation='mma'`` (whole K sum in the tensor-core accumulator) on the same inputs."""
         def f():
             w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
-            whb = nvfp4_dequantize(w, torch.bfloat16)
-            wh = whb.double()
             bias = torch.randn(n, device=dev)
             errs, floors, mma = {}, {}, {}
 
@@ -325,31 +342,20 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
                 spec = NVFP4_ACT_PER_TOKEN if pt else NVFP4_ACT
                 key = f"M={m}{'/tok' if pt else ''}"
                 x = _acts(m, k, dev)
-                xh = nvfp4_dequantize(nvfp4_quantize(x, spec=spec), torch.bfloat16)
-                ref = xh.double() @ wh.t() + bias.double()
+                ref = _exact(x, w, bias, spec)
                 measure(key, ref, x, act_spec=spec)
-                floors[key] = _cublas_floor([(xh, whb)], bias, ref)
+                floors[key] = _cublas_floor(_terms(x, w, spec), bias, ref)
             # M = 128: two 64-row tiles of the small-M kernel; with N = 1000 it also splits K (8 ways)
             for m, (mode, sel) in itertools.product((16, 128 // sm, m_big // 2), (("gathered", "batch"), ("masked", "batch"),
                                                                   ("gathered", "token"), ("masked", "static"))):
                 cfg = RACConfig(0.5, mode, sel)
                 x = _acts(m, k, dev)
                 st = torch.randperm(k, device=dev)[: k // 4] if sel == "static" else None
-                r = rac_reference(x, cfg, NVFP4_ACT, static_channels=st)
-                if r.gather_index is None:
-                    comp = r.comp.double()
-                elif r.gather_index.dim() == 1:
-                    comp = torch.zeros(m, k, dtype=torch.float64, device=dev)
-                    keep = r.gather_index >= 0
-                    comp[:, r.gather_index[keep]] = r.comp.double()[:, keep]
-                else:
-                    comp = scatter_gathered(r.comp, r.gather_index, k).double()
-                ref = r.x_hat.double() @ wh.t() + comp @ wh.t() + bias.double()
+                ref = _exact(x, w, bias, NVFP4_ACT, cfg, st)
                 key = f"M={m} rac {mode}/{sel}"
                 measure(key, ref, x, act_spec=NVFP4_ACT, rac=cfg, static_channels=st)
-                # comp holds bf16 values (zeros off the selected channels): exact as a bf16 operand
-                floors[key] = _cublas_floor([(r.x_hat, whb), (comp.to(torch.bfloat16), whb)],
-                                                                  bias, ref)
+                # B_X and B_R are exact bf16 operands; two accumulations, each with its own alpha
+                floors[key] = _cublas_floor(_terms(x, w, NVFP4_ACT, cfg, st), bias, ref)
             worst = max(errs.values())
             fl = "" if floors["M=16"] is None else "; cuBLAS on the same bf16 terms: " + ", ".join(
                 f"{a}: {b:.1e}" for a, b in floors.items())

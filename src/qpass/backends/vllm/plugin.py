@@ -21,7 +21,7 @@ never needs vLLM).
     parameters uninitialised, so the NaN sentinel alone cannot see it), then
     :func:`qpass.checkpoint.linear.finish_loading` (the scale-byte checks of
     :mod:`qpass.checkpoint.validate`) binds ``qpass_s_dec`` and, on CPU, the decoded
-    weight ``qpass_w_hat`` as persistent buffers (vLLM's reload copies them back in place);
+    operand ``qpass_w_b`` (``B_W``, SPEC §3.1) as persistent buffers (vLLM's reload copies them back in place);
   - ``apply``: :func:`qpass.checkpoint.linear.served_linear` — qpass's ops (W4A16, W4A4 per
     tensor / per token, RAC), the reference functions on CPU, ``torch.ops.qpass.nvfp4_linear`` with
     the Triton kernels on CUDA when qpass's Triton backend is installed. A row-parallel layer with

@@ -242,6 +242,25 @@ def nvfp4_decode_f32(code, s_b, s_dec):
 
 
 @triton.jit
+def nvfp4_operand_f32(code, s_b):
+    """``B = e2m1(code) * s_b`` in float32: the GEMM operand of SPEC §3.1 (exact: <= 6 significant bits)."""
+    return e2m1_value(code) * s_b
+
+
+@triton.jit
+def row_alpha(s_ptr, rows, rmask, sdec_w, MODE: tl.constexpr):
+    """The epilogue scale of SPEC §3.1 per output row ``[BM]`` float32: ``MODE`` 0 (W4A16)
+    ``S_dec_W``; 1 ``fl(S_dec_X * S_dec_W)`` with one activation scale at ``s_ptr``; 2 the same per
+    row (per-token activations, or one scale per expert segment) from ``s_ptr[rows]``."""
+    if MODE == 2:
+        return tl.load(s_ptr + rows, mask=rmask, other=0.0) * sdec_w
+    elif MODE == 1:
+        return tl.full(rows.shape, 0.0, tl.float32) + tl.load(s_ptr) * sdec_w
+    else:
+        return tl.full(rows.shape, 0.0, tl.float32) + sdec_w
+
+
+@triton.jit
 def frexp_exp(a):
     """``math.frexp(a)[1]`` for float32 ``a > 0`` (finite; subnormals normalised by an exact 2^64)."""
     sub = a < 1.1754943508222875e-38  # 2^-126

@@ -1,22 +1,26 @@
-"""NVFP4-weight GEMM: ``y = A @ W_hat^T (+ A2 @ W_hat[:, cols]^T) (+ bias)`` with float32 accumulation.
+"""NVFP4-weight GEMM with the factored decode (SPEC §3.1), float32 accumulation::
 
-``W_hat`` is decoded in registers from packed E2M1 codes ``[N, K/2]``, E4M3 block-scale bytes
-``[N, K/16]`` and the float32 decode global scale exactly as the reference does
-(``bf16(fl(fl(e2m1 * s_b) * s_dec))``, ``qpass.quant.nvfp4.nvfp4_dequantize``), then multiplied on
-the bf16 tensor cores (``tl.dot``, float32 accumulator). The activation operand ``A`` is bf16 (W4A16
-with bf16 input, or the W4A4 activation ``x_hat`` that the quantization kernel already decoded), or
-float32 for fp16/fp32 W4A16 input (exact products, IEEE float32 dot).
+    y = fl(acc(A B_W^T) * alpha) (+ fl(acc(A2 B_W[:, cols]^T) * alpha_R)) (+ bias)
 
-The optional second segment is RAC's compensation term (``qpass.quant.linear``): ``SEG2 == 1`` a
-dense ``[M, K]`` operand over the same weight (masked mode), ``SEG2 == 2`` a gathered ``[M, K']``
-operand whose column ``t`` multiplies weight channel ``idx[t]`` (-1 = padding), decoded from the
-same packed bytes. Both accumulate into the same float32 accumulator (the reference's two float32
-accumulations up to summation order).
+``B_W = e2m1 * s_b`` is decoded in registers from packed E2M1 codes ``[N, K/2]`` and E4M3 block-scale
+bytes ``[N, K/16]`` (exact in bf16: no float multiply by the global scale per element) and multiplied
+on the bf16 tensor cores (``tl.dot``, float32 accumulator). The per-tensor scales are applied once,
+in the epilogue: ``alpha = S_dec_W`` (W4A16) or ``fl(S_dec_X * S_dec_W)`` (W4A4; per row for
+per-token activations, ``xs``). The activation operand ``A`` is bf16 (W4A16 with bf16 input, or the
+W4A4 operand ``B_X`` that the quantization kernel wrote), or float32 for fp16/fp32 W4A16 input
+(exact products, IEEE float32 dot).
+
+The optional second segment is RAC's compensation (``qpass.quant.linear``): ``SEG2 == 1`` a dense
+``[M, K]`` operand ``B_R`` over the same weight (masked mode), ``SEG2 == 2`` a gathered ``[M, K']``
+operand whose column ``t`` multiplies weight channel ``idx[t]`` (-1 = padding), decoded from the same
+packed bytes. It has its own float32 accumulator and its own ``alpha_R = fl(S_dec_R * S_dec_W)``
+(``rs``): two accumulations, no bf16 sum of the compensated activation.
 
 Tiles are computed transposed (``acc[BN, BM] = W_tile @ A_tile^T``): the decoded weight is the MMA's
 first operand and the (possibly tiny) token count the second, so decode (M = 1..16) still fills the
-MMA's 64-row dimension. Split-K writes float32 partials that ``_splitk_reduce_kernel`` sums in a
-fixed order (deterministic; no float atomics).
+MMA's 64-row dimension. Split-K writes the raw float32 partials of each accumulation, which
+``_splitk_reduce_kernel`` sums in a fixed order (deterministic; no float atomics) before it applies
+``alpha`` once.
 
 Accumulation (``PROMOTE_K``, :func:`default_accumulation`): by default no whole K sum stays in the
 tensor core's accumulator, whose additions on sm_90 are not IEEE round-to-nearest (relative error
@@ -31,19 +35,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import INTERP, add_rn, dot_acc, e2m1_value, e4m3_value, to_bf16, to_out, ub
+from .common import INTERP, add_rn, dot_acc, e2m1_value, e4m3_value, row_alpha, to_bf16, to_out, ub
 
 @triton.jit
-def _decode_w_tile(codes3, s3, sdec, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """bytes ``[BN, BK/16, 8]`` + scale bytes ``[BN, BK/16, 1]`` -> decoded weight ``[BN, BK]``.
+def _decode_w_tile(codes3, s3, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """bytes ``[BN, BK/16, 8]`` + scale bytes ``[BN, BK/16, 1]`` -> the operand ``B = e2m1 * s_b``
+    ``[BN, BK]`` (SPEC §3.1: exact in bf16 and float32; ``S_dec_W`` goes to the epilogue's alpha).
 
     Element ``16b + 2j`` is the low nibble of byte ``j`` of block ``b``, ``16b + 2j + 1`` the high
     nibble; ``join`` + ``reshape`` interleave them back into K order.
     """
     c = codes3.to(tl.int32)
     s = e4m3_value(s3.to(tl.int32))
-    lo = (e2m1_value(c & 15) * s) * sdec
-    hi = (e2m1_value(c >> 4) * s) * sdec
+    lo = e2m1_value(c & 15) * s
+    hi = e2m1_value(c >> 4) * s
     if A_F32:
         lo = to_bf16(lo).to(tl.float32)
         hi = to_bf16(hi).to(tl.float32)
@@ -116,11 +121,12 @@ _LUT_DECODE_ASM = tl.constexpr(_lut_decode_asm())
 
 
 @triton.jit
-def _decode_w_tile_lut(words, s2, sdec, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """int32 code words ``[BN, BK/16, 2]`` + scale bytes ``[BN, BK/16]`` -> decoded weight ``[BN, BK]``."""
+def _decode_w_tile_lut(words, s2, A_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 code words ``[BN, BK/16, 2]`` + scale bytes ``[BN, BK/16]`` -> the operand ``B`` ``[BN, BK]``
+    (the table's global-scale input is 1.0: its ``fl(fl(v * s_b) * 1)`` is the exact ``B``)."""
     sf = tl.expand_dims(e4m3_value(s2.to(tl.int32)), 2)
     t0, t1, t2, t3 = tl.inline_asm_elementwise(
-        _LUT_TABLE_ASM, "=r,=r,=r,=r,f,f", [sf, tl.broadcast_to(sdec, sf.shape)],
+        _LUT_TABLE_ASM, "=r,=r,=r,=r,f,f", [sf, tl.full(sf.shape, 1.0, tl.float32)],
         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
     )
     shp: tl.constexpr = (BN, BK // 16, 2)
@@ -140,14 +146,15 @@ def _decode_w_tile_lut(words, s2, sdec, A_F32: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
-def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32: tl.constexpr,
+def _dense_step(acc, acc2, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, ka, kb, A_F32: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr, TWO: tl.constexpr,
                 PROMOTE: tl.constexpr):
-    """One K tile: load activation/code/scale tiles at ``k0``, decode the weight once, accumulate.
+    """One K tile: load activation/code/scale tiles at ``k0``, decode the operand ``B`` once, accumulate.
 
     ``c_base`` addresses code bytes ``[BN, BK/16, 8]`` or, with ``LUT``, int32 code words
     ``[BN, BK/16, 2]`` (4 bytes each). With ``TWO`` the same decoded tile also multiplies the
-    second (dense RAC) operand at ``a2_base``: a second accumulation into the same fp32 tile.
+    second (dense RAC) operand at ``a2_base``, into its own accumulator ``acc2`` (SPEC §3.1: the
+    compensation is a second accumulation with its own alpha). Returns ``(acc, acc2)``.
     """
     cdiv: tl.constexpr = 8 if LUT else 2  # K elements per addressed code unit
     if MASK_K:
@@ -167,29 +174,28 @@ def _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec,
     if A_F32:
         a = a.to(tl.float32)
     if LUT:
-        w = _decode_w_tile_lut(codes3, s2, sdec, A_F32, BN, BK)
+        w = _decode_w_tile_lut(codes3, s2, A_F32, BN, BK)
     else:
-        w = _decode_w_tile(codes3, tl.expand_dims(s2, 2), sdec, A_F32, BN, BK)
+        w = _decode_w_tile(codes3, tl.expand_dims(s2, 2), A_F32, BN, BK)
     if PROMOTE:
-        part = dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32))
+        acc = add_rn(acc, dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32)))
         if TWO:
-            part = dot_acc(w, tl.trans(a2), part)
-        acc = add_rn(acc, part)
+            acc2 = add_rn(acc2, dot_acc(w, tl.trans(a2), tl.full(acc2.shape, 0.0, tl.float32)))
     else:
         acc = dot_acc(w, tl.trans(a), acc)
         if TWO:
-            acc = dot_acc(w, tl.trans(a2), acc)
-    return acc
+            acc2 = dot_acc(w, tl.trans(a2), acc2)
+    return acc, acc2
 
 
 @triton.jit
 def _dense_segment(
-    acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
+    acc, acc2, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
     ncols64, nmask, pid_k, SPLIT_K: tl.constexpr, A_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr, PROMOTE_K: tl.constexpr,
 ):
-    """``acc += W_hat[ncols, :] @ A[rows, :]^T`` (``+ W_hat[ncols, :] @ A2[rows, :]^T`` with ``TWO``)
-    over this split's K tiles (tile t goes to split t % SPLIT_K).
+    """``acc += B[ncols, :] @ A[rows, :]^T`` (and ``acc2 += B[ncols, :] @ A2[rows, :]^T`` with ``TWO``)
+    over this split's K tiles (tile t goes to split t % SPLIT_K). Returns ``(acc, acc2)``.
 
     The dense RAC operand shares the K loop and the decoded weight tile: one decode, two MMAs per
     tile. (Two back-to-back pipelined K loops, the earlier form, gave wrong sums for M > 64 on the
@@ -220,28 +226,31 @@ def _dense_segment(
         CH: tl.constexpr = BK * SPLIT_K * TILES
         for kc in tl.range(ub(pid_k * BK), ub(k_full), CH, num_stages=1):
             part = tl.full(acc.shape, 0.0, tl.float32)
+            part2 = tl.full(acc2.shape, 0.0, tl.float32)
             for k0 in tl.range(ub(kc), ub(tl.minimum(kc + CH, k_full)), BK * SPLIT_K, num_stages=STAGES):
-                part = _dense_step(part, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32,
-                                   BN, BK, False, LUT, TWO, False)
+                part, part2 = _dense_step(part, part2, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, ka, kb,
+                                          A_F32, BN, BK, False, LUT, TWO, False)
             acc = add_rn(acc, part)
+            if TWO:
+                acc2 = add_rn(acc2, part2)
     else:
         for k0 in tl.range(ub(pid_k * BK), ub(k_full), BK * SPLIT_K, num_stages=STAGES):
-            acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, sdec, ka, kb, A_F32, BN, BK,
-                              False, LUT, TWO, PROMOTE_K > 0)
+            acc, acc2 = _dense_step(acc, acc2, a_base, a2_base, c_base, s_base, k0, K, rmask, nmask, ka, kb, A_F32, BN,
+                                    BK, False, LUT, TWO, PROMOTE_K > 0)
     if k_full < K:
         if (k_full // BK) % SPLIT_K == pid_k:
-            acc = _dense_step(acc, a_base, a2_base, c_base, s_base, k_full, K, rmask, nmask, sdec, ka, kb, A_F32, BN,
-                              BK, True, LUT, TWO, PROMOTE_K > 0)
-    return acc
+            acc, acc2 = _dense_step(acc, acc2, a_base, a2_base, c_base, s_base, k_full, K, rmask, nmask, ka, kb, A_F32,
+                                    BN, BK, True, LUT, TWO, PROMOTE_K > 0)
+    return acc, acc2
 
 
 @triton.jit
 def _gathered_segment(
-    acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, sdec,
+    acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
     ncols64, nmask, k_lo, k_step, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     PROMOTE_K: tl.constexpr,
 ):
-    """``acc += W_hat[ncols, idx[t]] @ A2[rows, t]^T`` summed over the gathered columns ``t`` of the
+    """``acc += B[ncols, idx[t]] @ A2[rows, t]^T`` summed over the gathered columns ``t`` of the
     ``[M, K']`` operand in tiles ``k_lo, k_lo + k_step, ...``; two-level accumulation as in
     :func:`_dense_segment`."""
     TILES: tl.constexpr = PROMOTE_K // BK
@@ -250,18 +259,18 @@ def _gathered_segment(
             part = tl.full(acc.shape, 0.0, tl.float32)
             for k0 in tl.range(ub(kc), ub(tl.minimum(kc + k_step * TILES, K2)), k_step, num_stages=STAGES):
                 part = _gathered_step(part, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn,
-                                      w_scales_ptr, stride_sn, sdec, ncols64, nmask, k0, BK, False)
+                                      w_scales_ptr, stride_sn, ncols64, nmask, k0, BK, False)
             acc = add_rn(acc, part)
     else:
         for k0 in tl.range(ub(k_lo), ub(K2), k_step, num_stages=STAGES):
             acc = _gathered_step(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn,
-                                 w_scales_ptr, stride_sn, sdec, ncols64, nmask, k0, BK, PROMOTE_K > 0)
+                                 w_scales_ptr, stride_sn, ncols64, nmask, k0, BK, PROMOTE_K > 0)
     return acc
 
 
 @triton.jit
 def _gathered_step(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr, stride_sn,
-                   sdec, ncols64, nmask, k0, BK: tl.constexpr, PROMOTE: tl.constexpr):
+                   ncols64, nmask, k0, BK: tl.constexpr, PROMOTE: tl.constexpr):
     """One gathered tile: operand columns ``k0 .. k0 + BK`` times weight channels ``idx[k0 ..]``."""
     kk = k0 + tl.arange(0, BK)
     rows64 = rows.to(tl.int64)
@@ -272,7 +281,7 @@ def _gathered_step(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_p
     byte = tl.load(w_codes_ptr + ncols64[:, None] * stride_wn + (cc >> 1)[None, :], mask=valid, other=0).to(tl.int32)
     code = (byte >> ((cc & 1) * 4)[None, :]) & 15
     s = e4m3_value(tl.load(w_scales_ptr + ncols64[:, None] * stride_sn + (cc >> 4)[None, :], mask=valid, other=0).to(tl.int32))
-    w = to_bf16((e2m1_value(code) * s) * sdec)
+    w = to_bf16(e2m1_value(code) * s)  # the operand B (exact in bf16)
     if PROMOTE:
         return add_rn(acc, dot_acc(w, tl.trans(a), tl.full(acc.shape, 0.0, tl.float32)))
     else:
@@ -282,13 +291,13 @@ def _gathered_step(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_p
 @triton.jit
 def _nvfp4_gemm_kernel(
     a_ptr, stride_am,
-    w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, w_sdec_ptr,
-    a2_ptr, stride_a2m, K2, gidx_ptr,
+    w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, w_sdec_ptr, xs_ptr,
+    a2_ptr, stride_a2m, K2, gidx_ptr, rs_ptr,
     bias_ptr, out_ptr, stride_om, ws_ptr,
     M, N, K, M_BUCKET,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
     SEG2: tl.constexpr, A_F32: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr,
-    PROMOTE_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr, XS: tl.constexpr, RS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -298,30 +307,44 @@ def _nvfp4_gemm_kernel(
     ncols = pid_n * BN + tl.arange(0, BN)
     nmask = ncols < N
     ncols64 = ncols.to(tl.int64)
-    sdec = tl.load(w_sdec_ptr)
     acc = tl.full((BN, BM), 0.0, tl.float32)
-    acc = _dense_segment(acc, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn,
-                         w_scales_ptr, stride_sn, sdec, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE,
-                         SEG2 == 1, PROMOTE_K)
+    if SEG2 > 0:
+        acc2 = tl.full((BN, BM), 0.0, tl.float32)
+    else:
+        acc2 = tl.full((1, 1), 0.0, tl.float32)
+    acc, acc2 = _dense_segment(acc, acc2, a_ptr, stride_am, a2_ptr, stride_a2m, K, rows, rmask, w_codes_ptr, stride_wn,
+                               w_scales_ptr, stride_sn, ncols64, nmask, pid_k, SPLIT_K, A_F32, BM, BN, BK, STAGES, DECODE,
+                               SEG2 == 1, PROMOTE_K)
     if SEG2 == 2:
         # per-element weight gathers are register-hungry: narrower K tiles than the dense loop
         GBK: tl.constexpr = 64 if BN * BM <= 64 * 64 else 32
-        acc = _gathered_segment(acc, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn, w_scales_ptr,
-                                stride_sn, sdec, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES, PROMOTE_K)
+        acc2 = _gathered_segment(acc2, a2_ptr, stride_a2m, K2, gidx_ptr, rows, rmask, w_codes_ptr, stride_wn,
+                                 w_scales_ptr, stride_sn, ncols64, nmask, pid_k * GBK, GBK * SPLIT_K, BM, BN, GBK, STAGES,
+                                 PROMOTE_K)
     omask = nmask[:, None] & rmask[None, :]
     rows64 = rows.to(tl.int64)
     if SPLIT_K == 1:
+        sdec = tl.load(w_sdec_ptr)
+        y = acc * row_alpha(xs_ptr, rows, rmask, sdec, XS)[None, :]
+        if SEG2 > 0:
+            y = y + acc2 * row_alpha(rs_ptr, rows, rmask, sdec, RS)[None, :]
         if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + ncols, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows64[None, :] * stride_om + ncols64[:, None], to_out(acc, OUT_DTYPE), mask=omask)
-    else:
+            y = y + tl.load(bias_ptr + ncols, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows64[None, :] * stride_om + ncols64[:, None], to_out(y, OUT_DTYPE), mask=omask)
+    else:  # raw float32 partials; the reduction applies alpha once to the whole sum
         base = ws_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + rows64[None, :] * N + ncols64[:, None], acc, mask=omask)
+        if SEG2 > 0:
+            base2 = ws_ptr + (SPLIT_K + pid_k).to(tl.int64) * M * N
+            tl.store(base2 + rows64[None, :] * N + ncols64[:, None], acc2, mask=omask)
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, w_sdec_ptr, xs_ptr, rs_ptr, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr, SEG2: tl.constexpr,
+                          XS: tl.constexpr, RS: tl.constexpr):
+    """``out = fl(sum_s ws[s] * alpha) (+ fl(sum_s ws2[s] * alpha_R)) (+ bias)``: split-K partials
+    added in split order (deterministic), then the SPEC §3.1 epilogue of the whole sum."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -329,9 +352,17 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT_K: t
     for s in range(1, SPLIT_K):
         acc = acc + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     n = offs % N
+    rows = offs // N
+    sdec = tl.load(w_sdec_ptr)
+    y = acc * row_alpha(xs_ptr, rows, mask, sdec, XS)
+    if SEG2 > 0:
+        acc2 = tl.load(ws_ptr + SPLIT_K * M * N + offs, mask=mask, other=0.0)
+        for s in range(1, SPLIT_K):
+            acc2 = acc2 + tl.load(ws_ptr + (SPLIT_K + s) * M * N + offs, mask=mask, other=0.0)
+        y = y + acc2 * row_alpha(rs_ptr, rows, mask, sdec, RS)
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // N) * stride_om + n, to_out(acc, OUT_DTYPE), mask=mask)
+        y = y + tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_om + n, to_out(y, OUT_DTYPE), mask=mask)
 
 
 def _configs(small: bool, promote: bool = False):
@@ -349,7 +380,7 @@ def _configs(small: bool, promote: bool = False):
     else:
         if promote:
             tiles = ((64, 256, 64, 8, 3), (64, 256, 64, 8, 4), (64, 256, 128, 8, 3), (128, 128, 64, 8, 4),
-                     (128, 128, 128, 8, 3), (64, 128, 64, 4, 4))
+                     (128, 128, 128, 8, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3))
         else:
             tiles = ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))
         for bn, bm, bk, nw, ns in tiles:
@@ -358,9 +389,16 @@ def _configs(small: bool, promote: bool = False):
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop the two-level BN = 64 x BM = 256 tiles for the dense RAC operand (SEG2 = 1): they spill."""
+    """The dense RAC operand (SEG2 = 1) under two-level accumulation keeps four float32 tiles live
+    (the two accumulations of SPEC §3.1 and their partials): only the 64 x 64 tiles fit the registers
+    there (``python -m qpass.backends.triton.aot --full --filter seg2=1``: 128 x 128 and 64 x 128 spill
+    312-344 B of stack); with ``accumulation="mma"`` and either RAC operand the 256-wide tiles go.
+    Every other launch keeps the full list."""
     if kwargs.get("SEG2") == 1 and kwargs.get("PROMOTE_K", 0) > 0:
-        keep = [c for c in configs if not (c.kwargs.get("BM") == 256 and c.kwargs.get("BN") == 64)]
+        keep = [c for c in configs if c.kwargs.get("BM", 0) * c.kwargs.get("BN", 0) <= 64 * 64]
+        return keep or configs
+    if kwargs.get("SEG2", 0) > 0:  # accumulation="mma": the 128 x 256 / 256 x 128 tiles spill 0.6-1.4 kB with RAC
+        keep = [c for c in configs if c.kwargs.get("BM", 0) * c.kwargs.get("BN", 0) <= 128 * 128]
         return keep or configs
     return configs
 
@@ -426,17 +464,28 @@ def default_accumulation() -> str:
     return name
 
 
+def scale_mode(s, m: int) -> int:
+    """``row_alpha`` mode of an activation scale tensor: 0 none, 1 one value, 2 one per row."""
+    if s is None:
+        return 0
+    return 2 if s.numel() > 1 else 1
+
+
 def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, gidx=None, num_sms=132, decode=None,
-                      accumulation=None, promote_k=None):
-    """``out [M, N] = a [M, K] @ W_hat^T (+ second segment) (+ bias)``.
+                      accumulation=None, promote_k=None, xs=None, rs=None):
+    """``out [M, N] = fl(acc(a B_W^T) * alpha) (+ fl(acc(a2 B_W[:, cols]^T) * alpha_R)) (+ bias)`` (SPEC §3.1).
 
     Args:
-        a: bf16 ``[M, K]`` (tensor-core path) or fp16/fp32 (IEEE float32 path), unit column stride.
+        a: bf16 ``[M, K]`` (tensor-core path) or fp16/fp32 (IEEE float32 path), unit column stride:
+            the activation (W4A16) or ``B_X`` (W4A4: exact in bf16).
         w_codes, w_scales: uint8 ``[N, K/2]`` / ``[N, K/16]`` (contiguous); w_sdec float32 ``[1]``.
         out: ``[M, N]`` output (bf16/fp16/fp32), unit column stride.
         bias: optional ``[N]``.
-        a2: optional second-segment operand, bf16 ``[M, K]`` (dense) or ``[M, K']`` with ``gidx``.
+        a2: optional second-segment operand ``B_R``, bf16 ``[M, K]`` (dense) or ``[M, K']`` with ``gidx``.
         gidx: int32 ``[K']`` weight channel per ``a2`` column (-1 = padding) for the gathered segment.
+        xs: float32 ``S_dec_X``: None (W4A16: ``alpha = S_dec_W``), ``[1]`` (per tensor) or ``[M]``
+            (per row); ``alpha = fl(S_dec_X * S_dec_W)``.
+        rs: float32 ``S_dec_R`` of the second segment (same shapes); ``alpha_R = fl(S_dec_R * S_dec_W)``.
         decode: ``"ref"`` / ``"lut"`` (see :func:`default_decode`).
         accumulation: ``"two_level"`` / ``"mma"`` (see :func:`default_accumulation`).
         promote_k: override of the products per promoted partial sum under ``two_level``
@@ -465,15 +514,20 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
     def pk(default: int) -> int:
         return 0 if not promote else (promote_k or default)
 
-    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec,
-                  enable_fp_fusion=False)
-    args = [a, a.stride(0), w_codes, w_codes.stride(0), w_scales, w_scales.stride(0), w_sdec, a2 if a2 is not None else dummy,
-            a2.stride(0) if a2 is not None else 0, k2, gidx if gidx is not None else dummy,
+    if a2 is not None and rs is None:
+        raise ValueError("the RAC second segment needs its activation scale rs (S_dec_R)")
+    xs_mode, rs_mode = scale_mode(xs, m), scale_mode(rs, m)
+    common = dict(SEG2=seg2, A_F32=a_f32, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec, XS=xs_mode,
+                  RS=rs_mode, enable_fp_fusion=False)
+    args = [a, a.stride(0), w_codes, w_codes.stride(0), w_scales, w_scales.stride(0), w_sdec,
+            xs if xs is not None else dummy, a2 if a2 is not None else dummy,
+            a2.stride(0) if a2 is not None else 0, k2, gidx if gidx is not None else dummy, rs if rs is not None else dummy,
             bias if bias is not None else dummy, out, out.stride(0)]
+    nseg = 2 if seg2 else 1  # float32 partials per split: one per accumulation
     if INTERP:
         bm, bn, bk = 16, 32, 64
         split = 2 if k > 2 * bk else 1
-        ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
+        ws = torch.empty(nseg * split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
         # chunks of two 64-wide tiles: the interpreter runs the nested (large-M) two-level loop
         _nvfp4_gemm_kernel[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=1, num_warps=4,
@@ -486,7 +540,7 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         bn = 64
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
         split = max(1, min(8, _pow2_floor((2 * num_sms) // tiles), _pow2_floor(max(1, k // 512))))
-        ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
+        ws = torch.empty(nseg * split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
         _gemm_small[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, SPLIT_K=split, PROMOTE_K=pk(PROMOTE_K_SMALL),
                           **common)
@@ -498,6 +552,7 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, bias if bias is not None else dummy, out, out.stride(0), m, n, SPLIT_K=split,
-            HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, BLOCK=block, num_warps=4,
+            ws, bias if bias is not None else dummy, out, out.stride(0), m, n, w_sdec, xs if xs is not None else dummy,
+            rs if rs is not None else dummy, SPLIT_K=split, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, BLOCK=block,
+            SEG2=seg2, XS=xs_mode, RS=rs_mode, num_warps=4, enable_fp_fusion=False,
         )

@@ -1,15 +1,16 @@
-"""NVFP4-weight GEMV for decode (M <= 4 rows): ``y = x @ W_hat^T (+ bias)`` on the CUDA cores.
+"""NVFP4-weight GEMV for decode (M <= 4 rows): ``y = fl(acc(x B_W^T) * alpha) (+ bias)`` on the CUDA cores.
 
-Same operands and semantics as :mod:`.nvfp4_gemm` without the RAC second segment: packed E2M1 codes
-``[N, K/2]`` (read as int32 words of 8 elements), E4M3 block-scale bytes ``[N, K/16]``, the float32
-decode global scale; the weight is decoded in registers exactly as the reference does
-(``bf16(fl(fl(e2m1 * s_b) * s_dec))``, either the arithmetic decode or the ``lut`` table + byte
-permute decode of :mod:`.nvfp4_gemm`, same bits), and multiplied with the activation rows in IEEE
-float32: ``acc = fma(w, x, acc)``. For bf16 (and fp16) activations the product with a bf16 weight
-is exact in float32 (at most 16 / 19 significant bits; barring underflow below float32's range), so
-the fused multiply-add rounds exactly like a separate add of the exact product (what the tensor
-cores compute); fp32 activations are multiplied as float32 (one rounding in the FMA, as in the
-GEMM's IEEE float32 dot).
+Same operands and semantics as :mod:`.nvfp4_gemm` without the RAC second segment (SPEC §3.1, the
+factored decode): packed E2M1 codes ``[N, K/2]`` (read as int32 words of 8 elements), E4M3
+block-scale bytes ``[N, K/16]``; the weight is decoded in registers to the exact operand
+``B = e2m1 * s_b`` (either the arithmetic decode or the ``lut`` table + byte permute decode of
+:mod:`.nvfp4_gemm`, same bits), multiplied with the activation rows in IEEE float32
+(``acc = fma(b, x, acc)``), and the per-tensor scales are applied once per output, ``alpha = S_dec_W``
+or ``fl(S_dec_X * S_dec_W)`` (``xs``: the W4A4 operand's global scale, per tensor or per row). For
+bf16 (and fp16) activations the product with ``B`` is exact in float32 (at most 14 / 17 significant
+bits; barring underflow below float32's range), so the fused multiply-add rounds exactly like a
+separate add of the exact product (what the tensor cores compute); fp32 activations are multiplied
+as float32 (one rounding in the FMA, as in the GEMM's IEEE float32 dot).
 
 Layout: a program owns ``BN`` weight rows and walks its split's K tiles; a tile is
 ``[BN, BK/8]`` int32 code words (16-byte loads). The 8 elements of a word are never interleaved
@@ -23,10 +24,10 @@ tiles of weight bytes in flight per thread).
 Summation order (deterministic, no atomics): each accumulator slot sums its products over the K
 tiles of the split in K order, element ``j = 0..7`` of a word in turn; the slots are then reduced
 by ``tl.reduce`` (a fixed tree for a given config), and split-K partials are added in split order
-by :func:`.nvfp4_gemm._splitk_reduce_kernel`. The GEMM's own order is not reproducible here (its
+by :func:`.nvfp4_gemm._splitk_reduce_kernel` (which then applies ``alpha``). The GEMM's own order is not reproducible here (its
 tile sums run inside the tensor cores, whose additions are not IEEE), so the contract is the
-GEMM's: relative error vs an fp64 product of the same dequantized operands < 1e-5 (selfcheck), bf16
-output within one rounding step of the reference, decoded weights bit-identical (one-hot rows).
+GEMM's: SPEC §3.1's ``|acc - exact| <= gamma_K * sum|a||b|`` (tests/test_factored_decode.py), bf16
+output within one rounding step of the reference, decoded operands bit-identical (one-hot rows).
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import INTERP, e2m1_value, e4m3_value, rsum, to_bf16, to_out, ub
+from .common import INTERP, e2m1_value, e4m3_value, row_alpha, rsum, to_out, ub
 from .nvfp4_gemm import _LUT_DECODE_ASM, _LUT_TABLE_ASM, _splitk_reduce_kernel  # noqa: F401
 
 
 @triton.jit
-def _dec_ref(words, s, sdec, J: tl.constexpr):
-    """float32 value of the bf16-decoded element ``J`` (nibble ``J``) of every int32 code word."""
+def _dec_ref(words, s, J: tl.constexpr):
+    """The operand ``B = e2m1 * s_b`` (float32, exact) of element ``J`` (nibble ``J``) of every int32 code word."""
     c = (words >> (4 * J)) & 15
-    return to_bf16((e2m1_value(c) * s) * sdec).to(tl.float32)
+    return e2m1_value(c) * s
 
 
 @triton.jit
@@ -105,7 +106,7 @@ def _gemv_row(acc, m: tl.constexpr, x_ptr, stride_xm, M, kpos, kmask, e0, e1, e2
 
 
 @triton.jit
-def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, K, nmask, kb, kw, sdec, words_in,
+def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, K, nmask, kb, kw, words_in,
                s_in, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr, LUT: tl.constexpr,
                X_PAIRS: tl.constexpr, PRELOADED: tl.constexpr):
     """One K tile at ``k0``: decode its ``[BN, BK/8]`` code words once (loaded here, or already in
@@ -134,7 +135,7 @@ def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, 
     s2 = e4m3_value(s_raw.to(tl.int32))  # [BN, BK/16]
     if LUT:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
-            _LUT_TABLE_ASM, "=r,=r,=r,=r,f,f", [s2, tl.broadcast_to(sdec, s2.shape)],
+            _LUT_TABLE_ASM, "=r,=r,=r,=r,f,f", [s2, tl.full(s2.shape, 1.0, tl.float32)],  # global 1.0: the table is B
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
         )
         b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(
@@ -146,10 +147,8 @@ def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, 
         e4, e5, e6, e7 = b4.to(tl.float32), b5.to(tl.float32), b6.to(tl.float32), b7.to(tl.float32)
     else:
         sf = _per_word(s2, BN, BK)
-        e0, e1, e2, e3 = _dec_ref(words, sf, sdec, 0), _dec_ref(words, sf, sdec, 1), _dec_ref(words, sf, sdec, 2), \
-            _dec_ref(words, sf, sdec, 3)
-        e4, e5, e6, e7 = _dec_ref(words, sf, sdec, 4), _dec_ref(words, sf, sdec, 5), _dec_ref(words, sf, sdec, 6), \
-            _dec_ref(words, sf, sdec, 7)
+        e0, e1, e2, e3 = _dec_ref(words, sf, 0), _dec_ref(words, sf, 1), _dec_ref(words, sf, 2), _dec_ref(words, sf, 3)
+        e4, e5, e6, e7 = _dec_ref(words, sf, 4), _dec_ref(words, sf, 5), _dec_ref(words, sf, 6), _dec_ref(words, sf, 7)
     acc0 = _gemv_row(acc0, 0, x_ptr, stride_xm, M, kpos, kmask, e0, e1, e2, e3, e4, e5, e6, e7, MASK_K, X_PAIRS)
     if BM > 1:
         acc1 = _gemv_row(acc1, 1, x_ptr, stride_xm, M, kpos, kmask, e0, e1, e2, e3, e4, e5, e6, e7, MASK_K, X_PAIRS)
@@ -160,11 +159,14 @@ def _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, 
 
 
 @triton.jit
-def _gemv_out(acc, m, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K: tl.constexpr,
-              HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _gemv_out(acc, m, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, sdec, xs_ptr,
+              SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr, XS: tl.constexpr):
+    """Row ``m``'s output: ``fl(sum * alpha) (+ bias)`` (SPEC §3.1), or its raw partial under split-K."""
     y = rsum(acc, 1)  # [BN]
     omask = nmask & ((tl.full(nmask.shape, 0, tl.int32) + M) > m)
     if SPLIT_K == 1:
+        rm = tl.full(ncols64.shape, 0, tl.int32) + m
+        y = y * row_alpha(xs_ptr, rm, omask, sdec, XS)
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + ncols64, mask=nmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + ncols64, to_out(y, OUT_DTYPE), mask=omask)
@@ -175,11 +177,11 @@ def _gemv_out(acc, m, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr
 @triton.jit  # M = 1 is specialized by Triton (a compile-time 1): the body compiles either way (aot pins it)
 def _nvfp4_gemv_kernel(
     x_ptr, stride_xm,
-    w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, w_sdec_ptr,
+    w_codes_ptr, stride_wn, w_scales_ptr, stride_sn, w_sdec_ptr, xs_ptr,
     bias_ptr, out_ptr, stride_om, ws_ptr,
     M, N, K, M_BUCKET,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr, X_PAIRS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr, X_PAIRS: tl.constexpr, XS: tl.constexpr,
 ):
     """``BM`` (1, 2 or 4; rows ``>= M`` masked) activation rows x ``BN`` weight rows, K tiles
     ``pid_k, pid_k + SPLIT_K, ...`` of ``BK`` columns (the ragged last tile masked by 16-blocks)."""
@@ -210,23 +212,23 @@ def _nvfp4_gemv_kernel(
         words_n = tl.load(w_base + kn // 8, mask=nmask[:, None] & (kn < k_full), other=0)
         s_n = tl.load(s_base + kn // 16, mask=nmask[:, None] & (kn < k_full), other=0)
         acc0, acc1, acc2, acc3 = _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k0, K, nmask,
-                                            kb, kw, sdec, words, s_raw, BM, BN, BK, False, LUT, X_PAIRS, True)
+                                            kb, kw, words, s_raw, BM, BN, BK, False, LUT, X_PAIRS, True)
         words = words_n
         s_raw = s_n
     if k_full < K:  # the ragged last tile (whole 16-blocks masked)
         if (k_full // BK) % SPLIT_K == pid_k:
             acc0, acc1, acc2, acc3 = _gemv_tile(acc0, acc1, acc2, acc3, x_ptr, stride_xm, M, w_base, s_base, k_full, K,
-                                                nmask, kb, kw, sdec, words, s_raw, BM, BN, BK, True, LUT, X_PAIRS,
-                                                False)
-    _gemv_out(acc0, 0, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K, HAS_BIAS, OUT_DTYPE)
+                                                nmask, kb, kw, words, s_raw, BM, BN, BK, True, LUT, X_PAIRS, False)
+    _gemv_out(acc0, 0, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, sdec, xs_ptr, SPLIT_K, HAS_BIAS,
+              OUT_DTYPE, XS)
     if BM > 1:
-        _gemv_out(acc1, 1, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K, HAS_BIAS,
-                  OUT_DTYPE)
+        _gemv_out(acc1, 1, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, sdec, xs_ptr, SPLIT_K,
+                  HAS_BIAS, OUT_DTYPE, XS)
     if BM > 2:
-        _gemv_out(acc2, 2, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K, HAS_BIAS,
-                  OUT_DTYPE)
-        _gemv_out(acc3, 3, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, SPLIT_K, HAS_BIAS,
-                  OUT_DTYPE)
+        _gemv_out(acc2, 2, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, sdec, xs_ptr, SPLIT_K,
+                  HAS_BIAS, OUT_DTYPE, XS)
+        _gemv_out(acc3, 3, M, N, ncols64, nmask, bias_ptr, out_ptr, stride_om, ws_ptr, pid_k, sdec, xs_ptr, SPLIT_K,
+                  HAS_BIAS, OUT_DTYPE, XS)
 
 
 # --- launcher ----------------------------------------------------------------------------------
@@ -312,8 +314,9 @@ def gemv_supported(a, w_codes) -> bool:
 
 
 def launch_nvfp4_gemv(a, w_codes, w_scales, w_sdec, out, *, bias=None, num_sms=132, decode="ref", split_k=None,
-                      bn=None, bk=None, num_warps=None):
-    """``out [M, N] = a [M, K] @ W_hat^T (+ bias)`` for ``M <= MAX_M`` (see :func:`gemv_supported`).
+                      bn=None, bk=None, num_warps=None, xs=None):
+    """``out [M, N] = fl(acc(a B_W^T) * alpha) (+ bias)`` for ``M <= MAX_M`` (see :func:`gemv_supported`;
+    SPEC §3.1: ``alpha = S_dec_W``, or ``fl(S_dec_X * S_dec_W)`` with ``xs`` = ``S_dec_X`` ``[1]`` / ``[M]``).
 
     Args:
         a: bf16 / fp16 / fp32 ``[M, K]``, unit column stride.
@@ -327,7 +330,7 @@ def launch_nvfp4_gemv(a, w_codes, w_scales, w_sdec, out, *, bias=None, num_sms=1
     """
     import torch
 
-    from .nvfp4_gemm import DECODES, _out_tl_dtype
+    from .nvfp4_gemm import DECODES, _out_tl_dtype, scale_mode
 
     m, k = a.shape
     n = w_codes.shape[0]
@@ -350,10 +353,11 @@ def launch_nvfp4_gemv(a, w_codes, w_scales, w_sdec, out, *, bias=None, num_sms=1
     elif split > 1:
         bn = bn or SPLIT_BN
     ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
+    xs_mode = scale_mode(xs, m)
     args = (a, a.stride(0), w_codes, w_codes.stride(0), w_scales, w_scales.stride(0), w_sdec,
-            bias if bias is not None else dummy, out, out.stride(0), ws, m, n, k, bm)
+            xs if xs is not None else dummy, bias if bias is not None else dummy, out, out.stride(0), ws, m, n, k, bm)
     common = dict(BM=bm, SPLIT_K=split, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, DECODE=dec, X_PAIRS=x_pairs,
-                  enable_fp_fusion=False)
+                  XS=xs_mode, enable_fp_fusion=False)
     if fixed:
         grid = (triton.cdiv(n, bn), split)
         _nvfp4_gemv_kernel[grid](*args, BN=bn, BK=bk or 512, num_warps=num_warps or 4, num_stages=1, **common)
@@ -364,6 +368,7 @@ def launch_nvfp4_gemv(a, w_codes, w_scales, w_sdec, out, *, bias=None, num_sms=1
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, bias if bias is not None else dummy, out, out.stride(0), m, n, SPLIT_K=split,
-            HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, BLOCK=block, num_warps=4,
+            ws, bias if bias is not None else dummy, out, out.stride(0), m, n, w_sdec, xs if xs is not None else dummy,
+            dummy, SPLIT_K=split, HAS_BIAS=bias is not None, OUT_DTYPE=out_dt, BLOCK=block, SEG2=0, XS=xs_mode, RS=0,
+            num_warps=4, enable_fp_fusion=False,
         )

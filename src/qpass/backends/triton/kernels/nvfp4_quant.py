@@ -4,8 +4,10 @@ One program quantizes a ``[BM, BK]`` tile (``BK`` a multiple of 16) with the ari
 ``qpass.quant.nvfp4.nvfp4_quantize`` (same op order, ``tl.div_rn``, no FMA contraction) and can in
 the same pass:
 
-* write ``x_hat = bf16(clamp(fl(fl(e2m1 * s_b) * s_dec), -lim, lim))`` (the W4A4 GEMM's activation
-  operand, saturated to the activation dtype's range: ``qpass.quant.nvfp4.nvfp4_act_operand``),
+* write ``B_X = bf16(e2m1 * s_b)`` (exact: the W4A4 GEMM's activation operand, SPEC §3.1; ``S_dec_X``
+  goes to the GEMM's alpha) and/or ``x_hat = bf16(clamp(fl(fl(e2m1 * s_b) * s_dec), -lim, lim))``
+  (the dense fake-quant, saturated to the activation dtype's range: ``nvfp4_act_operand``; RAC's
+  residual ``R = x - x_hat`` is formed from it),
 * form ``R = fl(float(x) - float(x_hat))`` and accumulate RAC statistics with integer atomics:
   exact fixed-point channel scores ``sum_i floor(fl(R^2) * 2^shift)`` (int64, ``qpass.quant.rac``),
   and the bit patterns of ``max|R|`` per channel and per row (int32 atomic max),
@@ -30,10 +32,12 @@ from .common import (
     nvfp4_elem_mult,
     nvfp4_encode,
     nvfp4_global,
+    nvfp4_operand_f32,
     pack_nibbles,
     pow2_f32,
     rmax,
     rsum,
+    to_bf16,
 )
 
 
@@ -41,8 +45,9 @@ from .common import (
 def nvfp4_quant_tile(x, s_dec, mult, BM: tl.constexpr, BK: tl.constexpr):
     """Quantize float32 ``x [BM, BK]`` with per-row (``[BM, 1]``) ``s_dec``/``mult``.
 
-    Returns ``(codes [BM, BK] int32, s_b [BM, BK/16] float32, x_hat_f32 [BM, BK])`` where x_hat is
-    the float32 dequantized value before the bf16 rounding.
+    Returns ``(codes [BM, BK] int32, s_b [BM, BK/16] float32, x_hat_f32 [BM, BK], b [BM, BK])`` where
+    x_hat is the float32 dequantized value before the bf16 rounding and ``b = e2m1 * s_b`` the exact
+    GEMM operand (SPEC §3.1; unused outputs are dead code for the compiler).
     """
     x3 = tl.reshape(x, (BM, BK // 16, 16))
     vmax = rmax(tl.abs(x3), 2)
@@ -50,7 +55,8 @@ def nvfp4_quant_tile(x, s_dec, mult, BM: tl.constexpr, BK: tl.constexpr):
     enc = nvfp4_elem_mult(s_b, s_dec)
     codes3 = nvfp4_encode(x3, enc[:, :, None])
     xh3 = nvfp4_decode_f32(codes3, s_b[:, :, None], s_dec[:, :, None])
-    return tl.reshape(codes3, (BM, BK)), s_b, tl.reshape(xh3, (BM, BK))
+    b3 = nvfp4_operand_f32(codes3, s_b[:, :, None])
+    return tl.reshape(codes3, (BM, BK)), s_b, tl.reshape(xh3, (BM, BK)), tl.reshape(b3, (BM, BK))
 
 
 @triton.jit
@@ -68,12 +74,12 @@ def load_global(amax_ptr, rows, rmask, BM: tl.constexpr, PER_ROW: tl.constexpr):
 def _nvfp4_quant_kernel(
     x_ptr, stride_xm, M, K,
     amax_ptr, xhat_lim,
-    codes_ptr, scales_ptr, xhat_ptr, senc_ptr, sdec_ptr,
+    codes_ptr, scales_ptr, xhat_ptr, bx_ptr, senc_ptr, sdec_ptr,
     gamax_bits_ptr, log2m,
     scores_ptr, rcolmax_ptr, rrowmax_ptr, rabs_ptr, M_BUCKET,
     BM: tl.constexpr, BK: tl.constexpr, ROW_ITERS: tl.constexpr, STAGES: tl.constexpr,
     PER_ROW: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_XHAT: tl.constexpr, WRITE_GLOBAL: tl.constexpr,
-    SCORES: tl.constexpr, RSTATS: tl.constexpr, RABS: tl.constexpr,
+    SCORES: tl.constexpr, RSTATS: tl.constexpr, RABS: tl.constexpr, WRITE_BX: tl.constexpr,
 ):
     # program (pid_m, pid_k): columns [pid_k*BK, +BK), rows [pid_m*ROW_ITERS*BM, +ROW_ITERS*BM) in
     # ROW_ITERS steps of BM; per-channel statistics stay in registers until one atomic per channel.
@@ -99,7 +105,7 @@ def _nvfp4_quant_kernel(
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
         s_enc, s_dec, mult = load_global(amax_ptr, rows, rmask, BM, PER_ROW)
-        codes, s_b, xh = nvfp4_quant_tile(x, s_dec, mult, BM, BK)
+        codes, s_b, xh, bx = nvfp4_quant_tile(x, s_dec, mult, BM, BK)
 
         if WRITE_CODES:
             bmask = rmask[:, None] & (bcols[None, :] < K // 2)
@@ -119,6 +125,8 @@ def _nvfp4_quant_kernel(
         xh_bf = act_operand_bf16(xh, xhat_lim)
         if WRITE_XHAT:
             tl.store(xhat_ptr + rows64[:, None] * K + cols[None, :], xh_bf, mask=mask)
+        if WRITE_BX:  # the W4A4 GEMM operand B_X (exact in bf16; S_dec_X goes to the GEMM's alpha)
+            tl.store(bx_ptr + rows64[:, None] * K + cols[None, :], to_bf16(bx), mask=mask)
 
         if SCORES or RSTATS or RABS:
             r = x - xh_bf.to(tl.float32)
@@ -160,13 +168,13 @@ def _bench(fn, quantiles):
 
 if not INTERP:
     _quant_tuned = triton.autotune(
-        configs=big_configs(), key=["M_BUCKET", "K", "PER_ROW", "WRITE_CODES", "WRITE_XHAT", "SCORES", "RSTATS", "RABS"],
+        configs=big_configs(), key=["M_BUCKET", "K", "PER_ROW", "WRITE_CODES", "WRITE_XHAT", "SCORES", "RSTATS", "RABS", "WRITE_BX"],
         reset_to_zero=["scores_ptr", "rcolmax_ptr", "rrowmax_ptr"], do_bench=_bench,
     )(_nvfp4_quant_kernel)
 
 
 def launch_nvfp4_quant(
-    x, amax, per_row, *, codes=None, scales=None, xhat=None, s_enc=None, s_dec=None,
+    x, amax, per_row, *, codes=None, scales=None, xhat=None, bx=None, s_enc=None, s_dec=None,
     gamax_bits=None, log2m=0, scores=None, rcolmax=None, rrowmax=None, rabs=None, xhat_lim=BF16_MAX,
 ):
     """Launch the quantization kernel over ``x [M, K]`` (row stride ``x.stride(0)``, unit column stride).
@@ -175,6 +183,7 @@ def launch_nvfp4_quant(
     ``xhat_lim``: bound of ``x_hat`` (and of the ``x_hat`` the residual statistics use), the
     ``act_operand_limit`` of ``x``'s dtype (65280 for fp16; default: the bf16 max).
     ``scores``/``rcolmax``/``rrowmax`` must be zero-initialised (they are accumulated atomically).
+    ``bx``: bf16 ``[M, K]`` output of the GEMM operand ``B_X = e2m1 * s_b`` (SPEC §3.1).
     """
     import torch
 
@@ -185,7 +194,7 @@ def launch_nvfp4_quant(
     args = (
         x, x.stride(0), m, k, amax, float(xhat_lim),
         codes if codes is not None else dummy, scales if scales is not None else dummy,
-        xhat if xhat is not None else dummy,
+        xhat if xhat is not None else dummy, bx if bx is not None else dummy,
         s_enc if s_enc is not None else dummy, s_dec if s_dec is not None else dummy,
         gamax_bits if gamax_bits is not None else dummy, log2m,
         scores if scores is not None else scratch, rcolmax if rcolmax is not None else scratch,
@@ -194,7 +203,8 @@ def launch_nvfp4_quant(
     )
     flags = dict(
         PER_ROW=per_row, WRITE_CODES=codes is not None, WRITE_XHAT=xhat is not None, WRITE_GLOBAL=s_enc is not None,
-        SCORES=scores is not None, RSTATS=rcolmax is not None, RABS=rabs is not None, enable_fp_fusion=False,
+        SCORES=scores is not None, RSTATS=rcolmax is not None, RABS=rabs is not None, WRITE_BX=bx is not None,
+        enable_fp_fusion=False,
     )
     if INTERP or m <= 64:
         bm, bk, row_iters, nw = pick_tile(m, k)

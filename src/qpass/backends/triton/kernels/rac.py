@@ -5,10 +5,11 @@ activation quantization (recomputed bit-identically in masked mode, read back fr
 bytes in gathered mode) and quantizes it with the residual's own global scale.
 
 * masked: quantize all of ``R`` in 1x16 blocks (codes/scales of every block are written, as the
-  reference does), then ``comp = bf16(mask ? DQ_f32(Q_R(R)) : 0)`` ``[M, K]``.
+  reference does), then ``comp = bf16(mask ? v : 0)`` ``[M, K]`` with ``v`` the GEMM operand
+  ``B_R = e2m1 * s_b`` (``OPERAND``, SPEC §3.1) or the dequantized ``DQ_f32(Q_R(R))`` (parity views).
 * gathered: ``G[:, t] = R[:, idx[t]]`` (``idx`` sorted, ``-1`` = zero padding) quantized as its own
-  blocks ``[M, K']``; ``comp_g = bf16(DQ(Q_R(G)))``; optionally also scattered back into a dense
-  ``[M, K]`` operand (per-token selection, where every row has its own channels).
+  blocks ``[M, K']``; ``comp_g = bf16(B_R)`` or ``bf16(DQ(Q_R(G)))``; optionally also scattered back
+  into a dense ``[M, K]`` operand (per-token selection, where every row has its own channels).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _residual_masked_kernel(
     codes_ptr, scales_ptr, comp_ptr, senc_ptr, sdec_ptr,
     M_BUCKET, BM: tl.constexpr, BK: tl.constexpr, ROW_ITERS: tl.constexpr, STAGES: tl.constexpr,
     PER_ROW: tl.constexpr, MASK_2D: tl.constexpr,
-    WRITE_CODES: tl.constexpr, WRITE_COMP: tl.constexpr, WRITE_GLOBAL: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_COMP: tl.constexpr, WRITE_GLOBAL: tl.constexpr, OPERAND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -56,11 +57,13 @@ def _residual_masked_kernel(
         rows64 = rows.to(tl.int64)
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         _, xs_dec, xmult = load_global(amax_x_ptr, rows, rmask, BM, PER_ROW)
-        _, _, xh = nvfp4_quant_tile(x, xs_dec, xmult, BM, BK)
+        _, _, xh, _ = nvfp4_quant_tile(x, xs_dec, xmult, BM, BK)
         r = x - act_operand_bf16(xh, xhat_lim).to(tl.float32)
         r = tl.where(mask, r, 0.0)
         rs_enc, rs_dec, rmult = load_global(amax_r_ptr, rows, rmask, BM, PER_ROW)
-        codes, s_b, rh = nvfp4_quant_tile(r, rs_dec, rmult, BM, BK)
+        codes, s_b, rh, rb = nvfp4_quant_tile(r, rs_dec, rmult, BM, BK)
+        if OPERAND:  # B_R (SPEC §3.1: S_dec_R goes to the compensation GEMM's alpha_R)
+            rh = rb
         if WRITE_CODES:
             bmask = rmask[:, None] & (bcols[None, :] < K // 2)
             tl.store(codes_ptr + rows64[:, None] * (K // 2) + bcols[None, :], pack_nibbles(codes, BM, BK), mask=bmask)
@@ -116,6 +119,7 @@ def _residual_gathered_kernel(
     BM: tl.constexpr, BKG: tl.constexpr,
     PER_ROW: tl.constexpr, IDX_2D: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_COMP: tl.constexpr, WRITE_DENSE: tl.constexpr, WRITE_GLOBAL: tl.constexpr,
+    OPERAND: tl.constexpr,
 ):
     # Per-tensor scope: program (pid_m, pid_k) handles rows [pid_m*BM, +BM) x gathered columns
     # [pid_k*BKG, +BKG), global amax given. Per-row scope (PER_ROW): grid (cdiv(M, BM), 1); the
@@ -155,7 +159,9 @@ def _residual_gathered_kernel(
         tmask = t < KP
         idx = _load_idx(idx_ptr, rows64, rmask, t, KP, IDX_2D)
         r = _gather_residual(x_ptr, stride_xm, K, qa_codes_ptr, qa_scales_ptr, qs_dec, rows64, rmask, idx, xhat_lim)
-        codes, s_b, gh = nvfp4_quant_tile(r, s_dec[:, None], mult[:, None], BM, BKG)
+        codes, s_b, gh, gb = nvfp4_quant_tile(r, s_dec[:, None], mult[:, None], BM, BKG)
+        if OPERAND:
+            gh = gb
         omask = rmask[:, None] & tmask[None, :]
         if WRITE_CODES:
             bt = k0 // 2 + tl.arange(0, BKG // 2)
@@ -181,9 +187,10 @@ if not INTERP:
 
 
 def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scales=None, comp=None, s_enc=None, s_dec=None,
-                           xhat_lim=BF16_MAX):
+                           xhat_lim=BF16_MAX, operand=False):
     """Masked-mode residual quantization over ``x [M, K]``; ``mask`` int8 ``[K]`` or ``[M, K]``;
-    ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``)."""
+    ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``); ``operand``: ``comp`` is the
+    GEMM operand ``B_R`` (``e2m1 * s_b``, SPEC §3.1) instead of the dequantized ``DQ(Q_R(R))``."""
     from .nvfp4_quant import pick_tile
 
     m, k = x.shape
@@ -197,7 +204,7 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
     )
     flags = dict(
         PER_ROW=per_row, MASK_2D=mask.dim() == 2, WRITE_CODES=codes is not None, WRITE_COMP=comp is not None,
-        WRITE_GLOBAL=s_enc is not None, enable_fp_fusion=False,
+        WRITE_GLOBAL=s_enc is not None, OPERAND=operand, enable_fp_fusion=False,
     )
     if INTERP or m <= 64:
         bm, bk, row_iters, nw = pick_tile(m, k)
@@ -210,10 +217,11 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
 
 def launch_residual_gathered(
     x, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row, *,
-    codes=None, scales=None, comp=None, dense=None, s_enc=None, s_dec=None, xhat_lim=BF16_MAX,
+    codes=None, scales=None, comp=None, dense=None, s_enc=None, s_dec=None, xhat_lim=BF16_MAX, operand=False,
 ):
     """Gathered-mode residual quantization; ``idx`` int32 ``[K']`` or ``[M, K']`` (-1 = padding);
-    ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``)."""
+    ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``); ``operand``: ``comp`` /
+    ``dense`` hold ``B_R`` instead of the dequantized residual (as :func:`launch_residual_masked`)."""
     m, k = x.shape
     kp = idx.shape[-1]
     if INTERP:
@@ -231,5 +239,5 @@ def launch_residual_gathered(
         s_enc if s_enc is not None else dummy, s_dec if s_dec is not None else dummy,
         BM=bm, BKG=bkg, PER_ROW=per_row, IDX_2D=idx.dim() == 2,
         WRITE_CODES=codes is not None, WRITE_COMP=comp is not None, WRITE_DENSE=dense is not None,
-        WRITE_GLOBAL=s_enc is not None, num_warps=nw, enable_fp_fusion=False,
+        WRITE_GLOBAL=s_enc is not None, OPERAND=operand, num_warps=nw, enable_fp_fusion=False,
     )
