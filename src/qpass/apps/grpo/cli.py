@@ -15,9 +15,12 @@ or is complete. On Ctrl-C or an error the temporary directory is deleted, or, wi
 loaded and captured once, each recipe gets ``DIR/<recipe>`` (atomic each) and ``DIR/overlay.png``;
 a recipe that fails is reported and the others still run (exit status 1).
 
-Run directory: ``config.json`` (arguments, resolved config, model, timings), ``recipe.yaml``,
-``metrics.jsonl`` (one row per step; keys in :mod:`qpass.apps.grpo.grpo`), ``eval.jsonl``,
-``layerwise.jsonl``, ``summary.json`` and ``plots.png``.
+Run directory: ``config.json`` (arguments, resolved config, model, timings), ``provenance.json``
+(command line, git commit + dirty flag, source digest, torch/triton/transformers versions, GPU name
+and driver: :mod:`qpass.provenance`), ``kernel_tiles.json`` (the Triton tile mode, ``--kernel-tiles``,
+and every tile used: :mod:`qpass.apps.runinfo`), ``recipe.yaml``, ``metrics.jsonl`` (one row per
+step; keys in :mod:`qpass.apps.grpo.grpo`), ``eval.jsonl``, ``layerwise.jsonl``, ``summary.json``
+and ``plots.png``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
 from qpass.apps.cliutil import pos_int as _pos_int
+from qpass.apps.runinfo import add_kernel_tiles
 
 log = logging.getLogger("qpass.apps.grpo.cli")
 
@@ -88,8 +92,15 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
     g.add_argument("--cuda-graphs", default=D.cuda_graphs, choices=list(CUDA_GRAPH_MODES),
-                   help="decode step of the rollout (and BF16 shadow) engine under CUDA graphs (CPU: always eager)")
+                   help="decode step of the rollout (and BF16 shadow) engine under CUDA graphs (CPU: always eager; "
+                        "an MoE rollout: always eager)")
+    add_kernel_tiles(g)
     add_verbose(g)
+
+    g = ap.add_argument_group("MoE (--model moe-default or another MoE model)")
+    g.add_argument("--routing-replay", default="off", choices=["on", "off"],
+                   help="the learner replays the rollout's recorded expert routes in every forward (R3); either way "
+                        "every step logs the routing mismatch (routing/...)")
 
     g = ap.add_argument_group("long runs (checkpoint / resume)")
     g.add_argument("--checkpoint-dir", type=Path, default=None,
@@ -251,6 +262,7 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
             diag_every=a.diag_every, eval_every=a.eval_every if a.n_eval else 0, eval_prompts=min(a.eval_prompts, a.n_eval),
             eval_max_new_tokens=a.eval_max_new_tokens, eval_temperature=a.eval_temperature, ess_cap=a.ess_cap,
             initial_check=not a.no_initial_check, max_time_s=max_time_s, cuda_graphs=a.cuda_graphs,
+            routing_replay=a.routing_replay == "on",
         )
     except (ValueError, TypeError) as exc:
         raise CliError(str(exc)) from exc
@@ -265,9 +277,11 @@ def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
 
 
 def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: Any, dest: Path, steps: int,
-             max_time_s: float | None, argv: Sequence[str], shadow: Any = None) -> dict[str, Any]:
+             max_time_s: float | None, argv: Sequence[str], shadow: Any = None, prov: dict | None = None) -> dict[str, Any]:
     """Train one recipe into ``dest`` (atomically), resuming from / saving to ``--checkpoint-dir``.
-    Returns the summary."""
+    ``prov``: the command's provenance record (``provenance.json``). Returns the summary."""
+    from qpass.apps.runinfo import kernel_tiles_report, write_provenance
+
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
@@ -286,9 +300,11 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
                 "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
                 "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "template": a.template, "reward": a.reward,
-                "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
+                "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s}, "kernel_tiles": a.kernel_tiles,
             }
             write_json_atomic(tmp / "config.json", config)
+            if prov is not None:
+                write_provenance(tmp, {**prov, "run": {"recipe": recipe.name, "out": str(dest)}})
             write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
             with contextlib.ExitStack() as engines:
                 engine = engines.enter_context(_learner_engine(a, pipe, learner))
@@ -350,6 +366,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "engine_bitexact_steps": [r.get("parity/engine_bitexact_ok") for r in rows if "parity/engine_bitexact_ok" in r],
             }
             write_json_atomic(tmp / "summary.json", summary)
+            write_json_atomic(tmp / "kernel_tiles.json", kernel_tiles_report(a.kernel_tiles, a.kernels))
             if not a.no_plots and rows:
                 plot_runs([tmp], tmp / "plots.png", title=f"GRPO {recipe.name}")
                 plot_runs([tmp], tmp / "quads_curves.png", title=f"GRPO {recipe.name}", preset="quads")
@@ -393,6 +410,18 @@ def _check_learner_model(a: argparse.Namespace, hf_config: Any) -> None:
             layout_from_hf(hf_config, tp=a.tp)
         except MegatronConfigError as exc:
             raise CliError(f"--learner megatron --tp {a.tp}: {exc}") from None
+def _check_moe_args(a: argparse.Namespace, pipe: Any) -> None:
+    """``--routing-replay`` / ``--cuda-graphs`` against the loaded model (MoE or dense), before any recipe runs."""
+    from qpass.moe.routing import has_routing
+
+    moe = has_routing(pipe.base_step.gm)
+    if a.routing_replay == "on" and not moe:
+        raise CliError(f"--routing-replay on needs an MoE model; {pipe.loaded.name} has no MoE router")
+    if moe and a.cuda_graphs == "on":
+        raise CliError("--cuda-graphs on: an MoE rollout records its expert routes at every decode step and stays eager "
+                       "(use --cuda-graphs auto or off)")
+
+
 def _vllm_engine(a: argparse.Namespace, pipe: Any, rollout: Any) -> Any:
     """The vLLM engine context for ``--rollout-engine vllm``: the recipe's rollout side exported from the
     initial master weights (:func:`qpass.apps.engines.vllm_rollout`), one live engine for the whole run."""
@@ -455,6 +484,11 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         except (_QpassError, ImportError) as exc:
             raise CliError(f"--kernels {a.kernels}: {exc}") from exc
         _check_learner_args(a)
+        if a.routing_replay == "on" and a.model == "default":
+            raise CliError("--routing-replay on needs an MoE model (e.g. --model moe-default); the default model is dense")
+        if a.routing_replay == "on" and a.rollout_engine != "qpass":
+            raise CliError(f"--routing-replay on needs the rollout's recorded routes: --rollout-engine {a.rollout_engine} "
+                           "does not record them (use --rollout-engine qpass)")
         if a.learner != "qpass":
             try:
                 load_backends([a.learner])
@@ -476,6 +510,11 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(a.threads)
     failed: list[str] = []
+    from qpass.apps.runinfo import kernel_tiles_scope, provenance
+
+    prov = provenance(["grpo", *argv_list], device=a.device, kernels=a.kernels, kernel_tiles=a.kernel_tiles)
+    scopes = contextlib.ExitStack()  # the Triton tile mode (--kernel-tiles) for the whole command
+    scopes.enter_context(kernel_tiles_scope(a.kernel_tiles))
     try:
         try:
             over = {"operators": tuple(a.operators.split(","))} if a.operators else {}
@@ -494,6 +533,7 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
             raise CliError(f"--max-len {max_len} is shorter than the longest prompt + max new tokens ({need})")
         batch = a.batch_size or min(a.prompts_per_step * a.group_size, 64)
         pipe = Pipeline.prepare(a.model, dtype=a.dtype, device=a.device, batch_size=batch, max_len=max_len, loaded=lm)
+        _check_moe_args(a, pipe)
         summaries = {}
         shadow = None
         if not a.no_shadow:  # the BF16 shadow: the bf16 recipe's rollout engine, built once for every recipe
@@ -518,7 +558,7 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
                     budget = share if budget is None else min(budget, share)
                 try:
                     summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list,
-                                                      shadow)
+                                                      shadow, prov)
                     s = summaries[recipe.name]
                     print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
                           f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
@@ -552,6 +592,8 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         if type(exc).__name__ == "MegatronRankError":  # a learner rank died: a failed run, not bad input
             return 1
         return exit_status(exc)
+    finally:
+        scopes.close()
     return 1 if failed else 0
 
 
