@@ -47,7 +47,7 @@ from qpass.apps.runinfo import add_kernel_tiles
 
 log = logging.getLogger("qpass.apps.grpo.cli")
 
-__all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_main", "main"]
+__all__ = ["build_compare_parser", "build_grpo_parser", "build_plot_parser", "grpo_compare_main", "grpo_main", "grpo_plot_main", "main"]
 
 
 # --------------------------------------------------------------------------- argument types
@@ -185,11 +185,34 @@ def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, type=Path, help="output image (PNG)")
     ap.add_argument("--metric", action="append", default=None,
                     help="a metrics key to plot (repeatable; default: gap/token/g_abs, gap/max_abs, reward/mean, eval/accuracy)")
-    ap.add_argument("--preset", default="default", choices=["default", "quads"],
-                    help="panel set: default (gap, max|d|, reward, eval) or quads (QUADS Fig. 1/6 curves + clip "
-                         "fraction per advantage sign + clip-branch disagreement); --metric overrides")
+    ap.add_argument("--preset", default="default", choices=["default", "quads", "cost"],
+                    help="panel set: default (gap, max|d|, reward, eval), quads (QUADS Fig. 1/6 curves + clip "
+                         "fraction per advantage sign + clip-branch disagreement) or cost (held-out accuracy and G_abs "
+                         "against cumulative rollout seconds); --metric overrides")
+    ap.add_argument("--x", default=None,
+                    help="x axis: 'step' or a metrics key, e.g. time/rollout_s_cum (default: the preset's)")
     ap.add_argument("--smooth", type=_pos_int, default=1, help="moving-average window")
     ap.add_argument("--title", default=None)
+    add_verbose(ap)
+    return ap
+
+
+DEFAULT_COMPARE_METRICS = ("eval/accuracy@last:3", "eval/accuracy@all", "gap/token/g_abs@all", "reward/mean@last:10")
+
+
+def build_compare_parser(prog: str = "qpass grpo-compare") -> argparse.ArgumentParser:
+    """The ``qpass grpo-compare`` argument parser."""
+    ap = argparse.ArgumentParser(prog=prog, description="Between-arm differences of GRPO runs with two-level block-bootstrap "
+                                 "CIs (seeds, then steps), and collapse per run by the written definition and by accuracy alone.")
+    ap.add_argument("runs", nargs="*", type=Path, help="run directories; an arm is the directory name without its _s<seed> suffix")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=DIR[,DIR...]", help="an arm given explicitly (repeatable)")
+    ap.add_argument("--metric", action="append", default=None, metavar="KEY[@WINDOW]",
+                    help="metric and window (all | last:N | steps:LO-HI), repeatable; default: " + ", ".join(DEFAULT_COMPARE_METRICS))
+    ap.add_argument("--block", type=_pos_int, default=5, help="moving-block length in steps (default 5)")
+    ap.add_argument("--boot", type=_pos_int, default=2000, help="bootstrap replicates (default 2000)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline", default=None, help="compare every arm against this arm only (default: every pair)")
+    ap.add_argument("--out", required=True, type=Path, help="JSON output (a .md with the tables is written beside it)")
     add_verbose(ap)
     return ap
 
@@ -286,7 +309,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
     from qpass.atomic import atomic_dir
-    from qpass.diagnostics.collapse import collapse_summary
+    from qpass.diagnostics.collapse import accuracy_collapse_summary, collapse_summary
     from qpass.rl.task import TEMPLATES, first_answer_reward
 
     cfg = _grpo_config(a, steps, max_time_s)
@@ -352,6 +375,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "resumed_from_step": resumed_from, "steps_this_command": len(res.rows), "checkpoint": str(ckpt) if ckpt else None,
                 "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
                 "collapse": collapse_summary(trainer.history["eval"], rows),
+                "collapse_accuracy_only": accuracy_collapse_summary(trainer.history["eval"]),
                 "last": {k: last.get(k) for k in keys},
                 "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
                                                                                     "shadow_gap/token/g_abs", "clip/frac",
@@ -607,7 +631,7 @@ def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return _exit_code(exc)
     try:
-        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title, preset=a.preset)
+        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title, preset=a.preset, x=a.x)
     except (FileNotFoundError, ValueError) as exc:
         print(f"qpass grpo-plot: error: {exc}", file=sys.stderr)
         return 2
@@ -615,10 +639,75 @@ def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def compare_arms_from_args(a: argparse.Namespace) -> tuple[dict[str, list[Path]], list[tuple[str, Any]]]:
+    """Arms and metrics of ``qpass grpo-compare``, validated (no run is read beyond its existence).
+
+    Raises:
+        CliError: a bad metric / window, an ``--arm`` without ``=``, a directory without metrics.jsonl,
+            an arm named twice, or no runs at all.
+    """
+    from qpass.diagnostics.compare import arm_of, parse_metric
+
+    try:
+        metrics = [parse_metric(m) for m in (a.metric or DEFAULT_COMPARE_METRICS)]
+    except ValueError as exc:
+        raise CliError(f"--metric: {exc}") from None
+    arms: dict[str, list[Path]] = {}
+    for d in a.runs:
+        arms.setdefault(arm_of(d.name)[0], []).append(d)
+    for spec in a.arm:
+        name, eq, dirs = spec.partition("=")
+        if not eq or not name.strip() or not dirs.strip():
+            raise CliError(f"--arm must be NAME=DIR[,DIR...], got {spec!r}")
+        if name in arms:
+            raise CliError(f"arm {name!r} is given twice")
+        arms[name.strip()] = [Path(x) for x in dirs.split(",") if x.strip()]
+    if not arms:
+        raise CliError("no runs given (positional run directories or --arm NAME=DIR)")
+    for name, dirs in arms.items():
+        for d in dirs:
+            if not (d / "metrics.jsonl").is_file():
+                raise CliError(f"arm {name!r}: {d} is not a GRPO run directory (no metrics.jsonl)")
+    if a.baseline is not None and a.baseline not in arms:
+        raise CliError(f"--baseline {a.baseline!r} is not an arm; arms: {sorted(arms)}")
+    return arms, metrics
+
+
+def grpo_compare_main(argv: Sequence[str] | None = None) -> int:
+    """``qpass grpo-compare RUN... --out F.json`` (arguments after the subcommand). Returns the exit status."""
+    ap = build_compare_parser()
+    try:
+        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return _exit_code(exc)
+    from qpass.diagnostics.compare import compare_runs, to_markdown
+    from qpass.jsonio import write_json
+    from qpass.atomic import write_atomic
+
+    try:
+        arms, metrics = compare_arms_from_args(a)
+        res = compare_runs(arms, metrics, block=a.block, n_boot=a.boot, seed=a.seed, baseline=a.baseline)
+    except CliError as exc:
+        ap.print_usage(sys.stderr)
+        print(f"qpass grpo-compare: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:  # a run file that does not parse
+        print(f"qpass grpo-compare: error: {exc}", file=sys.stderr)
+        return 2
+    write_json(a.out, res)
+    md = to_markdown(res)
+    write_atomic(a.out.with_suffix(".md"), md)
+    print(md)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``grpo ...`` or ``grpo-plot ...``; returns the exit status (2 for an unknown subcommand)."""
+    """``grpo ...``, ``grpo-plot ...``, ``grpo-compare ...`` or ``grpo-sweep ...``; returns the exit status
+    (2 for an unknown subcommand)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main}
+    from qpass.apps.grpo.sweep import sweep_main
+
+    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main, "grpo-compare": grpo_compare_main, "grpo-sweep": sweep_main}
     if not args or args[0] not in commands:
         print(f"usage: qpass {{{','.join(commands)}}} ...  (got {args[0]!r})" if args else
               f"usage: qpass {{{','.join(commands)}}} ...", file=sys.stderr)

@@ -9,7 +9,13 @@ line). Panel presets (:data:`PRESETS`, ``qpass grpo-plot --preset``):
 * ``quads``: the curves of QUADS Fig. 1 / Fig. 6 (reward, held-out accuracy, ``G_abs``, ``max|d|``
   vs step) plus the clip fraction per advantage sign of the loss's ratio and of the coupled ratio
   ``p_theta / q`` over every update forward, and the clip-branch disagreement against the BF16
-  shadow engine per sign.
+  shadow engine per sign;
+* ``cost``: held-out accuracy and ``G_abs`` against the cumulative rollout seconds of the run
+  (``time/rollout_s_cum``: accuracy at matched rollout cost; any metrics key can be the x axis,
+  ``qpass grpo-plot --x KEY``). An eval at step ``s`` is placed at the x value of step ``s``'s row
+  (step 0 at 0).
+
+Runs with the same recipe (seeds of one arm) are labelled by their directory name.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from qpass.atomic import write_atomic
 from qpass.apps.grpo.jsonl import read_jsonl
 
-__all__ = ["DEFAULT_PANELS", "PRESETS", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
+__all__ = ["COST_PANELS", "DEFAULT_PANELS", "PRESETS", "PRESET_X", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +63,15 @@ QUADS_PANELS: tuple[Panel, ...] = (
     Panel("clip/frac_neg", "clip-branch disagreement vs BF16 shadow, A < 0"),
 )
 
+COST_PANELS: tuple[Panel, ...] = (
+    Panel("eval/accuracy", "held-out accuracy vs cumulative rollout seconds"),
+    Panel("gap/token/g_abs", "G_abs vs cumulative rollout seconds", log_y=True),
+)
+
 #: Named panel sets of :func:`plot_runs` (``qpass grpo-plot --preset``).
-PRESETS: dict[str, tuple[Panel, ...]] = {"default": DEFAULT_PANELS, "quads": QUADS_PANELS}
+PRESETS: dict[str, tuple[Panel, ...]] = {"default": DEFAULT_PANELS, "quads": QUADS_PANELS, "cost": COST_PANELS}
+#: The x axis each preset uses unless ``x`` is given (``"step"`` or a metrics key).
+PRESET_X: dict[str, str] = {"default": "step", "quads": "step", "cost": "time/rollout_s_cum"}
 
 
 @dataclasses.dataclass
@@ -69,14 +82,23 @@ class RunData:
     rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
 
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        """``(steps, values)`` of ``key`` (eval keys from eval.jsonl); missing / null values skipped."""
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """``(xs, values)`` of ``key`` (eval keys from eval.jsonl); missing / null values skipped.
+
+        ``x``: ``"step"`` or a metrics key; a row's x is the value of that key in the metrics row of
+        its step (0 at step 0; rows whose step has no finite x are skipped).
+        """
         src = self.eval_rows if key.startswith("eval/") and self.eval_rows else self.rows
+        xmap = None if x == "step" else {int(r["step"]): r.get(x) for r in self.rows}
         xs, ys = [], []
         for r in src:
             v = r.get(key)
+            s = int(r["step"])
+            xv: Any = s if xmap is None else (0.0 if s == 0 else xmap.get(s))
+            if not (isinstance(xv, (int, float)) and not isinstance(xv, bool) and math.isfinite(xv)):
+                continue
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                xs.append(int(r["step"]))
+                xs.append(xv)
                 ys.append(float(v))
         return xs, ys
 
@@ -122,6 +144,7 @@ def plot_runs(
     smooth: int = 1,
     title: str | None = None,
     preset: str = "default",
+    x: str | None = None,
 ) -> Path:
     """Overlay the runs in ``run_dirs`` on one figure and save it atomically to ``out`` (PNG).
 
@@ -132,6 +155,8 @@ def plot_runs(
         preset: a key of :data:`PRESETS` (used when ``panels`` is None).
         smooth: trailing moving-average window over steps (1 = raw).
         title: figure title.
+        x: the x axis: ``"step"`` or a metrics key such as ``time/rollout_s_cum`` (default: the
+            preset's, :data:`PRESET_X`).
     Returns:
         ``out`` as a Path.
     Raises:
@@ -150,7 +175,12 @@ def plot_runs(
     import matplotlib.pyplot as plt
 
     ps = [p if isinstance(p, Panel) else Panel(p, p) for p in (panels or PRESETS[preset])]
+    x = x or PRESET_X[preset]
     runs = [load_run(d) for d in run_dirs]
+    labels = [r.label for r in runs]
+    for r, d in zip(runs, run_dirs):  # seeds of one recipe: name them by directory
+        if labels.count(r.label) > 1:
+            r.label = Path(d).name
     ncol = 2 if len(ps) > 1 else 1
     nrow = math.ceil(len(ps) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 3.6 * nrow), squeeze=False)
@@ -160,7 +190,7 @@ def plot_runs(
     for ax, panel in zip(axes.flat, ps):
         drawn = False
         for k, run in enumerate(runs):
-            xs, ys = run.series(panel.key)
+            xs, ys = run.series(panel.key, x)
             if not xs:
                 continue
             if panel.log_y and any(y <= 0 for y in ys):
@@ -172,8 +202,9 @@ def plot_runs(
                     color=colors[k % len(colors)])  # one color per run in every panel
             drawn = True
         ax.set_title(panel.title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(x if x != "step" else "step")
+        if x == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.log_y and drawn:
             ax.set_yscale("log")
         if drawn:
