@@ -48,7 +48,7 @@ def test_plan_is_seed_major_and_arms_carry_their_flags():
     argv = jobs[1].argv(Path("S"), steps=5, device="cuda", kernels="triton", threads=2, checkpoint_every=10,
                         total_time_s=300.4, extra=["--task", "chain"])
     assert argv[:6] == ["--recipe", "quads_nvfp4_moe", "--model", "moe-default", "--seed", "0"]
-    assert argv[-4:] == ["--routing-replay", "on", "--task", "chain"]
+    assert argv[-4:] == ["--task", "chain", "--routing-replay", "on"]
     assert "--total-time-s" in argv and argv[argv.index("--total-time-s") + 1] == "300"
     assert jobs[0].argv(Path("S"), steps=5, device="cpu", kernels="reference", threads=1, checkpoint_every=10,
                         total_time_s=10, extra=[])[-4:] == ["--ratio", "decoupled", "--correction", "tis"]

@@ -46,6 +46,12 @@ def test_every_rule_picks_one_of_its_autotuners_candidates():
     assert _as_cfg(tiles.RULES["rac_masked"]({})) in _cfg_set(q.big_configs())
 
 
+def test_cli_choices_are_the_modes():
+    from qpass.apps.runinfo import KERNEL_TILE_MODES
+
+    assert set(KERNEL_TILE_MODES) == set(tiles.TILE_MODES) and KERNEL_TILE_MODES[0] == "pinned"  # the CLI default
+
+
 def test_mode_env_scope_and_record(monkeypatch):
     monkeypatch.delenv(tiles.ENV, raising=False)
     assert tiles.tile_mode() == "autotune"

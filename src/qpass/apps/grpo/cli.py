@@ -147,7 +147,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g = ap.add_argument_group("task and reward")
     g.add_argument("--task", default="arithmetic", choices=["arithmetic", *TASK_PRESETS],
                    help="problem kind (qpass.rl.task.TASK_PRESETS): arithmetic expressions (--difficulty, --operators), "
-                        "successor ('What number comes after 389?', 900 problems) or larger ('Which is larger, 47 or 52?')")
+                        "successor ('What number comes after 389?', 900 problems), larger ('Which is larger, 47 or 52?'), "
+                        "chain / chain_long (4-5 / 6-7 operand + - expressions answered with worked steps; use "
+                        "--reward answer and --max-new-tokens >= 64)")
     g.add_argument("--difficulty", type=int, default=2, choices=[1, 2, 3, 4],
                    help="arithmetic preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
     g.add_argument("--operators", default=None,
@@ -158,8 +160,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--n-train", type=_pos_int, default=2000)
     g.add_argument("--n-eval", type=_nonneg_int, default=500, help="held-out split size (eval uses --eval-prompts of it)")
     g.add_argument("--reward", default="exact", help="'exact' (the last integer of the response is the answer), 'first' "
-                   "(the first integer is), 'format' (exact + --format-weight for a well-formed "
-                   "wrong answer) or MODULE:ATTR naming a callable (prompt_meta, response_text) -> float")
+                   "(the first integer is), 'answer' (the integer after the first 'Answer:'; for --task chain), 'format' "
+                   "(exact + --format-weight for a well-formed wrong answer) or MODULE:ATTR naming a callable "
+                   "(prompt_meta, response_text) -> float")
     g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
 
     g = ap.add_argument_group("checks and diagnostics")
@@ -225,18 +228,16 @@ class CliError(Exception):
 
 
 def _load_reward(spec: str, format_weight: float) -> Any:
-    from qpass.rl.task import ExactAnswerReward, exact_answer_reward, first_answer_reward
+    from qpass.rl.task import REWARDS, ExactAnswerReward
 
-    if spec == "exact":
-        return exact_answer_reward
-    if spec == "first":
-        return first_answer_reward
+    if spec in REWARDS:
+        return REWARDS[spec]
     if spec == "format":
         if not format_weight < 1:
             raise CliError(f"--format-weight must be in [0, 1), got {format_weight}")
         return ExactAnswerReward(format_weight=format_weight)
     if ":" not in spec:
-        raise CliError(f"--reward must be 'exact', 'format' or MODULE:ATTR, got {spec!r}")
+        raise CliError(f"--reward must be one of {[*REWARDS, 'format']} or MODULE:ATTR, got {spec!r}")
     mod, _, attr = spec.partition(":")
     try:
         obj = getattr(importlib.import_module(mod), attr)
@@ -310,7 +311,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
     from qpass.apps.grpo.plots import plot_runs
     from qpass.atomic import atomic_dir
     from qpass.diagnostics.collapse import accuracy_collapse_summary, collapse_summary
-    from qpass.rl.task import TEMPLATES, first_answer_reward
+    from qpass.rl.task import REWARDS, TEMPLATES
 
     cfg = _grpo_config(a, steps, max_time_s)
     out_dir = atomic_dir(dest, force=a.force, marker="summary.json", keep_partial=a.keep_partial)
@@ -344,7 +345,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                                       shadow=shadow if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
                                       template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng,
-                                      answer_fn=first_answer_reward if a.reward == "first" else None)
+                                      answer_fn=REWARDS.get(a.reward))
                 ckpt = a.checkpoint_dir / f"{recipe.name}.pt" if a.checkpoint_dir is not None else None
                 resumed_from = 0
                 if a.resume and ckpt is not None and ckpt.exists():

@@ -11,7 +11,8 @@ of claim C5 including fp8_block, ``c1`` the RL-time operand ablation, ``b1`` cor
 the MoE arms). Every job is one ``python -m qpass.apps.cli grpo`` process with
 ``--checkpoint-dir STATE/ckpt/<job> --resume --checkpoint-every K --overwrite``, its run directory
 ``STATE/runs/<job>`` and log ``STATE/logs/<job>.log``; arguments after ``--`` go to every job (the
-task, sampling and loss settings). Jobs start seed-major (every arm's seed 0 first), at most
+task, sampling and loss settings), before the arm's own flags, which therefore win (``naive_tis``
+stays decoupled + TIS under a common ``--ratio coupled``). Jobs start seed-major (every arm's seed 0 first), at most
 ``--parallel`` at a time, each with ``--threads`` CPU threads; all share the GPU.
 
 **Budget and resume.** ``--budget-s`` is this call's wall clock. A job starts only while at least
@@ -54,7 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.apps.cliutil import pos_float, pos_int
+from qpass.apps.cliutil import add_verbose, pos_float, pos_int
 
 __all__ = ["ARMS", "ARM_SETS", "Arm", "Job", "build_sweep_parser", "plan_jobs", "sweep_main"]
 
@@ -127,7 +128,7 @@ class Job:
                 "--out", str(state / "runs" / self.name), "--overwrite", "--checkpoint-dir", str(state / "ckpt" / self.name),
                 "--resume", "--checkpoint-every", str(checkpoint_every), "--total-time-s", f"{total_time_s:.0f}",
                 "--device", device, "--kernels", kernels, "--threads", str(threads), "--no-progress", "--no-plots",
-                *self.arm.flags, *extra]
+                *extra, *self.arm.flags]  # the arm's own flags last: they win over the common ones
 
 
 class SweepError(Exception):
@@ -186,6 +187,7 @@ def build_sweep_parser(prog: str = "qpass grpo-sweep") -> argparse.ArgumentParse
     ap.add_argument("--margin-s", type=pos_float, default=30.0, help="budget kept back from each job's --total-time-s")
     ap.add_argument("--grace-s", type=pos_float, default=60.0, help="after the budget, wait this long before SIGTERM")
     ap.add_argument("--force", action="store_true", help="replace --out if it is a previous sweep output")
+    add_verbose(ap)
     ap.epilog = "Arguments after a lone '--' are qpass grpo flags given to every job (task, sampling, loss)."
     return ap
 
