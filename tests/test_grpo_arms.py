@@ -21,7 +21,10 @@ def _cfg_of_arm(name: str, **over):
     return base
 
 
-@pytest.mark.parametrize("arm", ["w4a16_rollout", "w16a4_rollout", "fp8_block", "naive_decoupled", "naive_tis", "naive_mis"])
+@pytest.mark.parametrize("arm", ["w16a4_rollout", pytest.param("w4a16_rollout", marks=pytest.mark.slow),
+                                 pytest.param("fp8_block", marks=pytest.mark.slow),
+                                 pytest.param("naive_decoupled", marks=pytest.mark.slow), "naive_tis",
+                                 pytest.param("naive_mis", marks=pytest.mark.slow)])
 def test_dense_arm_runs_a_step(tiny_pipeline, arm):
     cfg = _cfg_of_arm(arm)
     row = tiny_trainer(tiny_pipeline, ARMS[arm].recipe, cfg).step(final=True)
@@ -72,6 +75,7 @@ def moe_pipe():
                                                source="random"), batch_size=4, max_len=32)
 
 
+@pytest.mark.slow  # ~1 min: two MoE GRPO steps on CPU
 def test_moe_grpo_logs_routing_mismatch_and_replays_routes(moe_pipe):
     rows = {}
     for replay in (False, True):
@@ -88,7 +92,9 @@ def test_moe_grpo_logs_routing_mismatch_and_replays_routes(moe_pipe):
     assert off["routing/replay"] is False and on["routing/replay"] is True
     # the same rollout (the replay changes only the learner) ...
     assert off["rollout/n_tokens"] == on["rollout/n_tokens"] and off["reward/mean"] == on["reward/mean"]
-    assert off["routing/mismatch_mean"] == on["routing/mismatch_mean"]  # the learner's own routes at p_prox: same weights
+    # the first MoE layer's input does not depend on any routing: the learner's own routes there are the same with
+    # and without replay; deeper layers see the replayed routes upstream, so their own choices may change
+    assert off["routing/mismatch_per_layer"]["layers.0"] == on["routing/mismatch_per_layer"]["layers.0"]
     # ... and the replay changes the learner's log-probs wherever a route differed
     if off["routing/mismatch_mean"] > 0:
         assert off["gap/token/g_abs"] != on["gap/token/g_abs"]

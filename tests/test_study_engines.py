@@ -59,6 +59,7 @@ def test_hf_engine_refuses_unknown_attention(tiny_pipeline):
         HFLearnerEngine(tiny_pipeline.loaded.model, attn="flash")
 
 
+@pytest.mark.slow  # ~40 s: a whole quick study on the tiny model
 def test_study_stores_per_response_gaps_and_every_ci_recomputes(tiny_pipeline, tmp_path):
     """A toy study (tiny model, HF-eager learner): study.json records the gaps file and its sha256;
     recompute() rebuilds every pair summary and every paired-bootstrap CI exactly; a flipped byte is refused."""

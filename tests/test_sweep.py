@@ -31,6 +31,8 @@ def test_validation_refuses_before_any_process(tmp_path, capsys):
     assert _main("run", "--state", st, "--arms", "bf16", "--", "--top-p", "abc") == 2
     err = capsys.readouterr().err
     assert "job bf16_s0: qpass grpo" in err and "--top-p" in err
+    assert _main("run", "--state", st, "--arms", "naive_nvfp4", "--", "--ratio", "coupled", "--correction", "tis") == 2
+    assert "takes no importance correction" in capsys.readouterr().err  # the loss config, checked before any process
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x.txt").write_text("not a sweep output")
     assert _main("collect", "--state", st, "--out", str(tmp_path / "busy")) == 2

@@ -167,6 +167,8 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
     # default model's tokenizer); chain_long: 6-7 operands (5-6 steps)
     "chain": dict(kind="chain", n_operands=(4, 5), digits=(1, 2), operators=("+", "-")),
     "chain_long": dict(kind="chain", n_operands=(6, 7), digits=(1, 2), operators=("+", "-")),
+    # one-digit operands, + only: partial sums below 50 (the default model's per-step arithmetic is weak)
+    "chain1": dict(kind="chain", n_operands=(4, 5), digits=(1, 1), operators=("+",)),
 }
 
 

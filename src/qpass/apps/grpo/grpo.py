@@ -67,7 +67,9 @@ Row keys (``null`` = no data, e.g. no valid token):
 * ``routing/...`` (MoE models): ``mismatch_mean`` / ``mismatch_max`` over layers of the fraction of
   valid positions whose top-k expert set differs between the rollout's recorded routes and the
   learner's own at ``p_prox`` (``mismatch_per_layer``), ``replay`` (whether the learner replayed
-  the rollout's routes: ``GRPOConfig.routing_replay``).
+  the rollout's routes: ``GRPOConfig.routing_replay``). Under replay a layer's "own" routes are
+  the router's choice given the replayed routes of the layers before it (the first MoE layer's
+  are the same either way).
 """
 
 from __future__ import annotations

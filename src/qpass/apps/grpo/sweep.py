@@ -229,14 +229,22 @@ def _validate(a: argparse.Namespace) -> _Plan:
 
 
 def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The error ``qpass grpo`` would print for ``argv`` before loading a model (argparse, then the
+    GRPO / loss configuration), or None."""
     import io
+
+    from qpass.apps.grpo.cli import CliError, _grpo_config
 
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):
         try:
-            parser.parse_args(argv)
+            a = parser.parse_args(argv)
         except SystemExit:
             return buf.getvalue().strip().splitlines()[-1] if buf.getvalue().strip() else "invalid arguments"
+    try:
+        _grpo_config(a, a.steps, None)
+    except CliError as exc:
+        return str(exc)
     return None
 
 
