@@ -169,6 +169,7 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
     "chain_long": dict(kind="chain", n_operands=(6, 7), digits=(1, 2), operators=("+", "-")),
     # one-digit operands, + only: partial sums below 50 (the default model's per-step arithmetic is weak)
     "chain1": dict(kind="chain", n_operands=(4, 5), digits=(1, 1), operators=("+",)),
+    "chain_short": dict(kind="chain", n_operands=(3, 4), digits=(1, 1), operators=("+",)),
 }
 
 
@@ -433,20 +434,22 @@ def _match_int(m: re.Match[str]) -> int | None:
     return -value if sign else value
 
 
-_ANSWER_TAG_RE = re.compile(r"answer\s*[:=]\s*", re.IGNORECASE)
+_ANSWER_TAG_RE = re.compile(r"answer(?:\s*[:=]|\s+is)\s*", re.IGNORECASE)
 
 
 def parse_answer_tag(text: str | None) -> int | None:
-    """The integer right after the first ``Answer:`` (case-insensitive, ``=`` also accepted), or None.
+    """The integer right after the first answer tag, else the last integer of ``text``, else None.
 
-    Same number syntax as :func:`parse_last_integer`; anything other than a number right after the
-    tag (or no tag) yields None. Later text (a new ``Q:`` line) is not looked at.
+    Tags (case-insensitive): ``Answer:``, ``Answer =``, ``answer is`` (the chat model's own "The
+    answer is 19."). Same number syntax as :func:`parse_last_integer`; a tag followed by anything
+    but a number yields None (no fallback then). Text after the tagged number (a new ``Q:`` line of
+    a few-shot continuation) is not looked at; without any tag the last integer is the answer.
     """
     if not text:
         return None
     tag = _ANSWER_TAG_RE.search(text)
     if tag is None:
-        return None
+        return parse_last_integer(text)
     m = _INT_RE.match(text, tag.end())
     return _match_int(m) if m else None
 
