@@ -105,3 +105,14 @@ def test_moe_replay_refusals(tiny_pipeline, moe_pipe):
         tiny_trainer(tiny_pipeline, "naive_nvfp4", tiny_cfg(routing_replay=True, shadow=False))
     with pytest.raises(ValueError, match="cuda_graphs='on' would replay without them"):
         tiny_trainer(moe_pipe, "naive_nvfp4", tiny_cfg(cuda_graphs="on", shadow=False))
+
+
+def test_cli_refuses_routing_replay_on_the_dense_default_model_before_loading(tmp_path, capsys, monkeypatch):
+    import qpass.graph.model as gm
+    from qpass.apps.grpo.cli import main
+
+    monkeypatch.setattr(gm, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    assert main(["grpo", "--recipe", "quads_nvfp4", "--out", str(tmp_path / "r"), "--routing-replay", "on"]) == 2
+    assert "--routing-replay on needs an MoE model" in capsys.readouterr().err
+    assert main(["grpo", "--recipe", "quads_nvfp4", "--out", str(tmp_path / "r"), "--kernel-tiles", "fast"]) == 2
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
