@@ -38,7 +38,7 @@ def test_naive_and_qat_only_share_the_step0_rollout(tiny_pipeline):
     for recipe in ("naive_nvfp4", "qat_only"):
         tr = tiny_trainer(tiny_pipeline, recipe, tiny_cfg(steps=1, eval_every=1, eval_prompts=4, diag_every=0, shadow=False))
         init = tr.initial_checks()
-        served = {k: (v.codes.clone(), v.scales.view(torch.uint8).clone(), v.s_dec.clone())
+        served = {k: (v.codes.clone(), v.scales.view(torch.uint8).clone(), v.global_scale.clone())
                   for k, v in tr.ro.served_weights().items()}
         rows = [ids for ids in tr._encode(next(tr.batches)) for _ in range(tr.cfg.group_size)]
         exp, _ = tr._sample(rows, 1)
