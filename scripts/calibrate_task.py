@@ -8,7 +8,8 @@ recipe's rollout engine, scored with both exact-answer rewards: ``reward_mean`` 
 (last integer, ``qpass grpo --reward exact``) and ``reward_first_mean`` (first integer, ``--reward
 first``), averaged over all samples. Writes one JSON document (per task[|template]: mean rewards,
 their binomial standard errors, correct count, finished fraction, seconds, 8 example responses)
-to ``--out``.
+to ``--out``. ``reward_answer_mean`` scores the integer after the first ``Answer:`` (``--reward
+answer``, the worked-step ``chain`` tasks); ``response_tokens_mean`` / ``_max`` the sampled lengths.
 
     python scripts/calibrate_task.py --recipe naive_nvfp4 --tasks 1,2:+,2 --prompts 8 --group-size 4 \
         --out docs/results/grpo_long/calibration_naive_nvfp4.json
@@ -53,7 +54,7 @@ def main() -> None:
     from qpass.prompts import encode_chat
     from qpass.recipe import load_recipe
     from qpass.rl.experience import assemble, decode_responses
-    from qpass.rl.task import TEMPLATES, ArithmeticTask, KINDS, difficulty_preset, exact_answer_reward, first_answer_reward, format_prompt, task_preset
+    from qpass.rl.task import TEMPLATES, ArithmeticTask, KINDS, answer_tag_reward, difficulty_preset, exact_answer_reward, first_answer_reward, format_prompt, task_preset
     from qpass.runtime.engine import make_rollout_engine
 
     lm = load_model(a.model)
@@ -87,18 +88,24 @@ def main() -> None:
         metas = [p.meta for p in probs for _ in range(a.group_size)]
         rewards = [exact_answer_reward(m, x) for m, x in zip(metas, texts)]
         first = [first_answer_reward(m, x) for m, x in zip(metas, texts)]
+        tagged = [answer_tag_reward(m, x) for m, x in zip(metas, texts)]
+        mt = sum(tagged) / len(tagged)
+        lens = exp.sampled_mask.sum(-1).float()
         m = sum(rewards) / len(rewards)
         mf = sum(first) / len(first)
         key = spec if "," not in a.template else f"{spec}|{tname}"
         results[key] = {
             "task": {k: v for k, v in vars(task.cfg).items()}, "template": tname, "reward_mean": m,
             "reward_first_mean": mf, "reward_first_stderr": math.sqrt(mf * (1 - mf) / len(first)),
+            "reward_answer_mean": mt, "reward_answer_stderr": math.sqrt(mt * (1 - mt) / len(tagged)),
+            "response_tokens_mean": float(lens.mean()), "response_tokens_max": int(lens.max()),
             "reward_stderr": math.sqrt(m * (1 - m) / len(rewards)), "n_samples": len(rewards), "n_correct": sum(rewards),
             "finished_frac": float(exp.finished.float().mean()), "seconds": time.perf_counter() - t0,
             "examples": [{"expression": p.meta.get("expression"), "answer": p.meta.get("answer"), "response": x}
                          for p, x in zip([p for p in probs for _ in range(a.group_size)][:8], texts[:8])],
         }
-        print(key, results[key]["reward_mean"], results[key]["reward_first_mean"], f"{results[key]['seconds']:.0f}s", flush=True)
+        print(key, results[key]["reward_mean"], results[key]["reward_first_mean"], results[key]["reward_answer_mean"],
+              f"{results[key]['response_tokens_mean']:.1f} tokens", f"{results[key]['seconds']:.0f}s", flush=True)
         write_json(a.out, {"argv": sys.argv[1:], "recipe": a.recipe, "model": lm.name, "prompts": a.prompts, "group_size": a.group_size,
                            "max_new_tokens": a.max_new_tokens, "template": {t: TEMPLATES[t] for t in a.template.split(",") if t in TEMPLATES}, "temperature": a.temperature,
                            "seed": a.seed, "results": results})  # after every task: a later failure keeps the earlier ones

@@ -27,7 +27,7 @@ def test_one_tree_with_shared_flags():
     ap = build_parser()
     sub = next(a for a in ap._actions if a.dest == "command")
     assert set(sub.choices) == set(COMMANDS) == {"apply", "check", "export", "calibrate", "recipes", "bench", "grpo", "grpo-plot",
-                                                       "study"}
+                                                       "grpo-compare", "grpo-sweep", "study"}
     shared = {"apply": {"--threads", "--dtype", "--force", "-v", "--verbose", "--rollout-engine", "--calibration"},
               "check": {"--threads", "--dtype", "-v", "--verbose", "--rollout-engine", "--calibration"},
               "export": {"--threads", "--force", "-v", "--verbose", "--calibration"},
@@ -39,6 +39,10 @@ def test_one_tree_with_shared_flags():
     for name, flags in shared.items():
         assert flags <= _options(sub.choices[name]), (name, flags - _options(sub.choices[name]))
     assert {"-v", "--verbose"} <= _options(sub.choices["grpo-plot"])
+    assert {"-v", "--verbose"} <= _options(sub.choices["grpo-compare"]) & _options(sub.choices["grpo-sweep"])
+    tiles = {tuple(a.choices) for name in ("grpo", "study") for a in sub.choices[name]._actions
+             if "--kernel-tiles" in a.option_strings}
+    assert tiles == {("pinned", "autotune")}  # one flag, one default, in both run commands
     # defined once: the same help text wherever a shared flag appears
     helps = {}
     for name in shared:

@@ -469,8 +469,20 @@ def test_cli_grpo_run_dir_and_overwrite(tiny_cli, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["grpo", "--recipe", "quads_nvfp4", "--steps", "2", "--out", str(out), *tiny_cli]) == 0
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["config.json", "eval.jsonl", "layerwise.jsonl", "metrics.jsonl", "recipe.yaml", "summary.json"]
+    assert files == ["config.json", "eval.jsonl", "kernel_tiles.json", "layerwise.jsonl", "metrics.jsonl", "provenance.json",
+                     "recipe.yaml", "summary.json"]
     assert _hidden(tmp_path) == []  # the temporary build directory was renamed, nothing left behind
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["command"]["argv"][:3] == ["grpo", "--recipe", "quads_nvfp4"]
+    assert prov["command"]["cmdline"].startswith("qpass grpo --recipe quads_nvfp4 --steps 2 --out ")
+    assert prov["extra"] == {"kernels": "reference", "kernel_tiles": "pinned"} and prov["run"]["recipe"] == "quads_nvfp4"
+    assert prov["device"]["type"] == "cpu" and prov["versions"]["torch"] == torch.__version__
+    assert len(prov["code"]["source_sha256"]) == 64 and isinstance(prov["code"]["git_dirty"], bool)
+    assert json.loads((out / "kernel_tiles.json").read_text())["mode"] == "pinned"
+    rows0 = read_jsonl(out / "metrics.jsonl")
+    assert rows0[1]["time/rollout_s_cum"] == rows0[0]["time/rollout_s"] + rows0[1]["time/rollout_s"]
+    assert rows0[1]["time/learner_s"] == rows0[1]["time/prox_s"] + rows0[1]["time/update_s"]
+    assert rows0[1]["rollout/n_tokens_cum"] == rows0[0]["rollout/n_tokens"] + rows0[1]["rollout/n_tokens"]
     assert (out.stat().st_mode & 0o777, (out / "summary.json").stat().st_mode & 0o777) == (0o755, 0o644)
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 2 and all(r["parity/fp_ok"] for r in rows) and rows[-1]["parity/bitexact_ok"] is True

@@ -17,7 +17,12 @@ def _err(text: str) -> str:
 def test_builtin_recipes_all_validate_and_have_expected_passes():
     names = set(builtin_recipes())
     assert names == {"bf16", "w4a16_qat", "naive_nvfp4", "quads_nvfp4", "quads_nvfp4_moe", "w4a4_qat", "fp8_block",
-                     "qat_only", "fp8_qat", "mxfp4_qat"}
+                     "qat_only", "fp8_qat", "mxfp4_qat", "w4a16_rollout", "w16a4_rollout"}
+    # the RL-time operand ablation (QUADS Fig. 2): BF16 learners, one operand quantized in the rollout
+    for name, passes in (("w4a16_rollout", ["w4a16_lower"]), ("w16a4_rollout", ["act_qdq"])):
+        r = load_recipe(name)
+        assert r.learner == [] and [p.name for p in r.rollout] == passes, name
+    assert load_recipe("w16a4_rollout").rollout[0].options.per_token is False
     qo = load_recipe("qat_only")  # weight-QDQ learner, plain W4A4 rollout, no RAC
     assert [p.name for p in qo.learner] == ["weight_qdq"] and [p.name for p in qo.rollout] == ["w4a4_lower"]
     assert qo.rollout[0].options.act == "nvfp4"

@@ -98,7 +98,8 @@ def test_study_quick(pipe, tmp_path):
     assert cfg.ratios == QUICK_RATIOS and cfg.layers == 1 and cfg.prompts == 2 and cfg.max_new_tokens == 3
     res = run_study(cfg, pipe=pipe)
     write_outputs(res, out)
-    for f in ("study.json", "study.md", "gap_vs_k.png", "layerwise.png", "operand_ablation.png"):
+    for f in ("study.json", "study.md", "gap_vs_k.png", "layerwise.png", "operand_ablation.png", "gaps.safetensors",
+              "provenance.json", "kernel_tiles.json"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     data = json.loads((out / "study.json").read_text())
 
@@ -122,7 +123,8 @@ def test_study_quick(pipe, tmp_path):
         assert data["pairs"][k]["on_policy"]["tokens"] == data["pairs"][op]["on_policy"]["tokens"] > 0
         assert data["pairs"][k]["on_policy"]["mean_abs"] != data["pairs"][op]["on_policy"]["mean_abs"]
     assert [p["k"] for p in data["rac"]["sweep"]["masked/batch"]] == [0.0, 0.5, 1.0]
-    assert set(data["layerwise"]["summary"]) == {"prefill", "decode"}
+    assert set(data["layerwise"]["summary"]) == {"decode"}  # the degenerate prefill reading is not reported
+    assert (out / "gaps.safetensors").is_file() and (out / "provenance.json").is_file()
     assert len(data["layerwise"]["per_site"]["decode"]["asym"]) == len(pipe.base_step.sites)
     assert [c["id"] for c in data["claims"]] == ["C1", "C2a", "C2b", "C3", "C4", "C5"]
     assert all(c["quick"] is True and c["verdict"] == "quick run: not evidence" and c["toy_outcome"]

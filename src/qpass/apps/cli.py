@@ -9,7 +9,9 @@
     qpass bench [--quick]                            kernel benchmarks (ratios vs baselines, same run)
     qpass grpo --recipe R --out DIR                  GRPO with mismatch diagnostics and corrections
                                                      (--preset smoke: a real 2-step run, a few CPU-minutes)
-    qpass grpo-plot RUN_DIR... --out PNG             overlay GRPO curves
+    qpass grpo-plot RUN_DIR... --out PNG             overlay GRPO curves (--preset cost: accuracy vs rollout seconds)
+    qpass grpo-compare RUN_DIR... --out F.json       between-arm CIs (block bootstrap), collapse per run
+    qpass grpo-sweep run --arms A,B --seeds 0,1 ...  N arms x seeds as parallel grpo processes on one GPU
     qpass study --out DIR                            QUADS ablations on the default model
 
 Shared flags: -v/--verbose (debug logging), --threads N, --dtype bf16|fp16|fp32, --force
@@ -93,6 +95,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("bench", "qpass.apps.bench:main", "qpass.apps.bench:build_bench_parser"),  # implementation: qpass.backends.triton.bench
     Command("grpo", "qpass.apps.grpo.cli:grpo_main", "qpass.apps.grpo.cli:build_grpo_parser"),
     Command("grpo-plot", "qpass.apps.grpo.cli:grpo_plot_main", "qpass.apps.grpo.cli:build_plot_parser"),
+    Command("grpo-compare", "qpass.apps.grpo.cli:grpo_compare_main", "qpass.apps.grpo.cli:build_compare_parser"),
+    Command("grpo-sweep", "qpass.apps.grpo.sweep:sweep_main", "qpass.apps.grpo.sweep:build_sweep_parser"),
     Command("study", "qpass.apps.study:main", "qpass.apps.study:build_parser"),
 )}
 

@@ -17,6 +17,10 @@ such a window has **not collapsed within its observation limit**: its last eval 
 number of evals (fewer than ``patience + 1`` evals cannot show a collapse at all).
 
 Units: accuracies are fractions (``drop = 0.10`` is 10 percentage points); gaps in nats.
+
+**Accuracy collapse** (reported beside the written definition, never in place of it): condition 1
+alone (``require_gap_rise=False``; :func:`accuracy_collapse_summary`). The H100 naive_nvfp4 run of
+2026-12-05 fell from 0.765 to 0.025 while its gap fell, so it collapses by accuracy only.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CollapseResult", "collapse_summary", "detect_collapse"]
+__all__ = ["CollapseResult", "accuracy_collapse_summary", "collapse_summary", "detect_collapse"]
 
 _TOL = 1e-9  # float rounding of accuracy differences (0.42 - 0.32 = 0.09999999999999998)
 
@@ -60,7 +64,7 @@ class CollapseResult:
 
 
 def detect_collapse(steps: Sequence[int], accuracy: Sequence[float], gap: Sequence[float], *,
-                    drop: float = 0.10, patience: int = 3) -> CollapseResult:
+                    drop: float = 0.10, patience: int = 3, require_gap_rise: bool = True) -> CollapseResult:
     """Apply the module's collapse definition to aligned series.
 
     Args:
@@ -69,6 +73,7 @@ def detect_collapse(steps: Sequence[int], accuracy: Sequence[float], gap: Sequen
         gap: the gap of the evaluated policy per eval step (finite; nats).
         drop: accuracy drop below the running best (> 0, fraction).
         patience: consecutive evals (>= 1).
+        require_gap_rise: condition 2 (the written definition); False: accuracy collapse (condition 1 only).
     Raises:
         ValueError: lengths differ, steps not increasing, non-finite values, bad ``drop``/``patience``.
     """
@@ -88,7 +93,7 @@ def detect_collapse(steps: Sequence[int], accuracy: Sequence[float], gap: Sequen
     for k in range(patience - 1, n):
         window = range(k - patience + 1, k + 1)
         b = best_idx[window[0]]
-        if all(below[j] for j in window) and all(gap[j] > gap[b] for j in window):
+        if all(below[j] for j in window) and (not require_gap_rise or all(gap[j] > gap[b] for j in window)):
             return CollapseResult(True, int(steps[k]), int(steps[window[0]]), int(steps[b]), float(accuracy[b]), n,
                                   int(steps[-1]), drop, patience)
     return CollapseResult(False, None, None, None, None, n, int(steps[-1]) if n else None, drop, patience)
@@ -123,3 +128,23 @@ def collapse_summary(eval_rows: Sequence[Mapping[str, Any]], metric_rows: Sequen
     return {**res.to_dict(), "gap_key": gap_key,
             "definition": f"eval >= {drop * 100:g} pp below the run's best for {patience} consecutive evals while the gap "
                           f"({gap_key}) is above its value at the best eval (qpass.diagnostics.collapse)"}
+
+
+def accuracy_collapse_summary(eval_rows: Sequence[Mapping[str, Any]], *, drop: float = 0.10,
+                              patience: int = 3) -> dict[str, Any]:
+    """Accuracy collapse (condition 1 of the definition only) over a run's ``eval.jsonl`` rows.
+
+    Returns:
+        :meth:`CollapseResult.to_dict` plus ``"definition"``.
+    """
+    steps, acc, seen = [], [], set()
+    for r in sorted(eval_rows, key=lambda r: int(r["step"])):
+        s, a = int(r["step"]), r.get("eval/accuracy")
+        if s in seen or not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a):
+            continue
+        seen.add(s)
+        steps.append(s)
+        acc.append(float(a))
+    res = detect_collapse(steps, acc, [0.0] * len(acc), drop=drop, patience=patience, require_gap_rise=False)
+    return {**res.to_dict(), "definition": f"eval >= {drop * 100:g} pp below the run's best for {patience} consecutive "
+                                           "evals (accuracy alone; qpass.diagnostics.collapse)"}

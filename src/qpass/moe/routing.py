@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -43,13 +43,17 @@ class RouteTape:
 
     Attributes:
         mode: ``record`` or ``replay``.
-        records: (record) per layer, the int64 ``[T, k]`` indices of each router call, in order.
+        records: (record) per layer, the int64 ``[T, k]`` indices of each router call, in order;
+            (replay with ``keep_own``) the indices the router itself chose before the replay
+            replaced them (so one forward gives both the replayed score and the routing mismatch).
         replay: (replay) per layer, int64 ``[T, k]`` indices to use (``-1``: keep the graph's own).
+        keep_own: (replay) also record the router's own choices in ``records``.
     """
 
     mode: str = "record"
     records: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     replay: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    keep_own: bool = False
 
 
 _TAPE: contextvars.ContextVar[RouteTape | None] = contextvars.ContextVar("qpass_route_tape", default=None)
@@ -67,9 +71,10 @@ def record_routes() -> Iterator[RouteTape]:
 
 
 @contextlib.contextmanager
-def replay_routes(routes: Mapping[str, torch.Tensor]) -> Iterator[RouteTape]:
-    """``with replay_routes({layer: idx [T, k]}):`` routers use the given indices (``-1``: own)."""
-    tape = RouteTape("replay", replay=dict(routes))
+def replay_routes(routes: Mapping[str, torch.Tensor], *, keep_own: bool = False) -> Iterator[RouteTape]:
+    """``with replay_routes({layer: idx [T, k]}):`` routers use the given indices (``-1``: own);
+    ``keep_own``: the routers' own choices are recorded in ``tape.records`` as well."""
+    tape = RouteTape("replay", replay=dict(routes), keep_own=keep_own)
     token = _TAPE.set(tape)
     try:
         yield tape
@@ -90,6 +95,8 @@ def moe_route(top_k_index: torch.Tensor, layer: str) -> torch.Tensor:
     if tape.mode == "record":
         tape.records.setdefault(layer, []).append(top_k_index.detach().clone())
         return top_k_index.clone()
+    if tape.keep_own:
+        tape.records.setdefault(layer, []).append(top_k_index.detach().clone())
     rep = tape.replay.get(layer)
     if rep is None:
         raise RoutingError(f"routing replay has no routes for MoE layer {layer} (have: {sorted(tape.replay)[:4]})")
@@ -189,3 +196,36 @@ def concat_records(records: Mapping[str, list[torch.Tensor]]) -> dict[str, torch
 def has_routing(gm: torch.fx.GraphModule) -> bool:
     """Whether a captured graph routes through ``qpass::moe_route`` (an MoE model)."""
     return any(n.op == "call_function" and n.target == torch.ops.qpass.moe_route.default for n in gm.graph.nodes)
+
+
+def assemble_routes(chunks: Sequence[Mapping[str, torch.Tensor]], batches: Sequence[object], *, prompt_len: int,
+                    width: int) -> dict[str, torch.Tensor]:
+    """Per-row routes ``[N, P + R, k]`` in the layout of :func:`qpass.rl.experience.assemble`.
+
+    Args:
+        chunks: per rollout chunk, :func:`generate_routes` of its recording (``[B * T_c, k]`` per layer).
+        batches: the chunks' :class:`qpass.runtime.RolloutBatch` es (``input_ids [B, T_c]``,
+            ``prompt_len``, ``n_real``), same order.
+        prompt_len, width: the assembled ``P`` and ``R``.
+    Returns:
+        per layer int64 ``[N, P + R, k]``: real rows only, ``-1`` on the new left / right padding.
+    Raises:
+        RoutingError: chunks disagree on their layers.
+    """
+    import torch.nn.functional as F
+
+    if not chunks:
+        return {}
+    layers = set(chunks[0])
+    out: dict[str, torch.Tensor] = {}
+    for layer in sorted(layers):
+        parts = []
+        for routes, b in zip(chunks, batches):
+            if set(routes) != layers:
+                raise RoutingError(f"routing: rollout chunks recorded different MoE layers ({sorted(set(routes) ^ layers)[:4]})")
+            bsz, t = b.input_ids.shape
+            r = routes[layer].reshape(bsz, t, -1)[: int(b.n_real)]
+            left, right = prompt_len - int(b.prompt_len), width - (t - int(b.prompt_len))
+            parts.append(F.pad(r, (0, 0, left, right), value=-1))
+        out[layer] = torch.cat(parts)
+    return out

@@ -6,7 +6,10 @@ integer. Generation is seeded and deterministic. Difficulty is set by the number
 the digit count of each operand and the operator set (:class:`ArithmeticConfig`,
 :func:`difficulty_preset`). Two simpler problem kinds share the machinery (:data:`KINDS`,
 :data:`TASK_PRESETS`, :func:`task_preset`, ``qpass grpo --task``): ``successor`` ("What number comes
-after 389?", answer 390) and ``larger`` ("Which is larger, 47 or 52?", answer 52).
+after 389?", answer 390) and ``larger`` ("Which is larger, 47 or 52?", answer 52); ``chain``
+(preset ``chain``, ``chain_long``) is a multi-step ``+``/``-`` expression answered with worked
+intermediate sums ("12 + 7 = 19. 19 - 5 = 14. ... Answer: 34", template ``chain_fewshot``), so a
+response runs to tens of tokens and one wrong partial sum spoils the answer.
 
 The evaluation split is drawn first, then the training split, both from one seeded stream of
 *unique* expressions, so (a) the two splits share no expression and therefore no prompt, and
@@ -44,8 +47,11 @@ __all__ = [
     "difficulty_preset",
     "evaluate_expression",
     "ANSWER_PARSERS",
+    "REWARDS",
+    "answer_tag_reward",
     "exact_answer_reward",
     "first_answer_reward",
+    "parse_answer_tag",
     "format_prompt",
     "parse_first_integer",
     "parse_last_integer",
@@ -78,6 +84,11 @@ TEMPLATES: dict[str, str] = {
     "larger": "Which is larger, {expression}? Reply with the larger number only.",
     "larger_fewshot": "Reply with the larger number only.\nQ: Which is larger, 31 or 17?\nA: 31\n"
                       "Q: Which is larger, 58 or 64?\nA: 64\nQ: Which is larger, {expression}?\nA:",
+    # issue 32: worked partial sums (a long, compounding response), the answer on an "Answer:" tag
+    "chain_fewshot": "Add and subtract from left to right. Write each step, then the result as Answer: <integer>.\n"
+                     "Q: 12 + 7 - 5 + 20\nA: 12 + 7 = 19. 19 - 5 = 14. 14 + 20 = 34. Answer: 34\n"
+                     "Q: 30 - 8 + 15 - 6 + 4\nA: 30 - 8 = 22. 22 + 15 = 37. 37 - 6 = 31. 31 + 4 = 35. Answer: 35\n"
+                     "Q: {expression}\nA:",
 }
 
 
@@ -96,7 +107,8 @@ class ArithmeticConfig:
         n_train, n_eval: split sizes (``n_eval`` may be 0).
         seed: generation seed.
         kind: problem kind, a key of :data:`KINDS`: ``"arithmetic"`` (an expression over
-            ``operators``), ``"successor"`` (one operand ``n``, answer ``n + 1``) or ``"larger"``
+            ``operators``), ``"chain"`` (the same expressions, answered with worked steps: template
+            ``chain_fewshot``), ``"successor"`` (one operand ``n``, answer ``n + 1``) or ``"larger"``
             (two different operands, answer the larger). The last two use ``digits`` only
             (``n_operands`` and ``operators`` are ignored).
     """
@@ -164,6 +176,13 @@ def difficulty_preset(level: int, **overrides: Any) -> ArithmeticConfig:
 TASK_PRESETS: dict[str, dict[str, Any]] = {
     "successor": dict(kind="successor", digits=(3, 3)),
     "larger": dict(kind="larger", digits=(2, 2)),
+    # issue 32: 4-5 operands of 1-2 digits with + and - (3-4 worked steps, ~40-60 response tokens of the
+    # default model's tokenizer); chain_long: 6-7 operands (5-6 steps)
+    "chain": dict(kind="chain", n_operands=(4, 5), digits=(1, 2), operators=("+", "-")),
+    "chain_long": dict(kind="chain", n_operands=(6, 7), digits=(1, 2), operators=("+", "-")),
+    # one-digit operands, + only: partial sums below 50 (the default model's per-step arithmetic is weak)
+    "chain1": dict(kind="chain", n_operands=(4, 5), digits=(1, 1), operators=("+",)),
+    "chain_short": dict(kind="chain", n_operands=(3, 4), digits=(1, 1), operators=("+",)),
 }
 
 
@@ -297,6 +316,7 @@ class ProblemKind:
 #: Problem kinds by name (:attr:`ArithmeticConfig.kind`).
 KINDS: dict[str, ProblemKind] = {
     "arithmetic": ProblemKind(_draw, _expression_text, evaluate_expression, "default"),
+    "chain": ProblemKind(_draw, _expression_text, evaluate_expression, "chain_fewshot"),
     "successor": ProblemKind(_draw_successor, lambda o, _: str(o[0]), lambda o, _: o[0] + 1, "successor"),
     "larger": ProblemKind(_draw_larger, lambda o, _: f"{o[0]} or {o[1]}", lambda o, _: max(o), "larger"),
 }
@@ -431,8 +451,28 @@ def _match_int(m: re.Match[str]) -> int | None:
     return -value if sign else value
 
 
-#: Integer extractors of :class:`ExactAnswerReward` by name (``qpass grpo --reward exact|first``).
-ANSWER_PARSERS = {"last": parse_last_integer, "first": parse_first_integer}
+_ANSWER_TAG_RE = re.compile(r"answer(?:\s*[:=]|\s+is)\s*", re.IGNORECASE)
+
+
+def parse_answer_tag(text: str | None) -> int | None:
+    """The integer right after the first answer tag, else the last integer of ``text``, else None.
+
+    Tags (case-insensitive): ``Answer:``, ``Answer =``, ``answer is`` (the chat model's own "The
+    answer is 19."). Same number syntax as :func:`parse_last_integer`; a tag followed by anything
+    but a number yields None (no fallback then). Text after the tagged number (a new ``Q:`` line of
+    a few-shot continuation) is not looked at; without any tag the last integer is the answer.
+    """
+    if not text:
+        return None
+    tag = _ANSWER_TAG_RE.search(text)
+    if tag is None:
+        return parse_last_integer(text)
+    m = _INT_RE.match(text, tag.end())
+    return _match_int(m) if m else None
+
+
+#: Integer extractors of :class:`ExactAnswerReward` by name (``qpass grpo --reward exact|first|answer``).
+ANSWER_PARSERS = {"last": parse_last_integer, "first": parse_first_integer, "answer": parse_answer_tag}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,7 +481,8 @@ class ExactAnswerReward:
 
     Attributes:
         position: which integer of the response is the answer: ``"last"`` (default,
-            :func:`parse_last_integer`) or ``"first"`` (:func:`parse_first_integer`). Either way the
+            :func:`parse_last_integer`), ``"first"`` (:func:`parse_first_integer`) or ``"answer"``
+            (the integer after the first ``Answer:`` tag, :func:`parse_answer_tag`). Either way the
             reward is exact match of that one integer; every other number in the response is ignored.
         format_weight: reward in [0, 1) for a *wrong* answer whose last non-empty line has the
             requested form ``Answer: <integer>`` (0.0 default: no format reward). A correct answer
@@ -476,6 +517,13 @@ exact_answer_reward = ExactAnswerReward()
 #: Exact answer on the *first* integer of the response (``qpass grpo --reward first``): for terse /
 #: few-shot templates where the model states the answer and may then ramble on with more numbers.
 first_answer_reward = ExactAnswerReward(position="first")
+#: Exact answer on the integer after the first ``Answer:`` tag (``qpass grpo --reward answer``): for
+#: worked-step templates (``chain_fewshot``), whose steps are full of other numbers.
+answer_tag_reward = ExactAnswerReward(position="answer")
+#: The built-in rewards by ``qpass grpo --reward`` name; each is also the correctness function of the
+#: held-out eval and ``reward/correct_frac`` (one parser for both).
+REWARDS: dict[str, ExactAnswerReward] = {"exact": exact_answer_reward, "first": first_answer_reward,
+                                         "answer": answer_tag_reward}
 
 
 class SafeReward:

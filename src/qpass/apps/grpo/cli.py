@@ -15,9 +15,12 @@ or is complete. On Ctrl-C or an error the temporary directory is deleted, or, wi
 loaded and captured once, each recipe gets ``DIR/<recipe>`` (atomic each) and ``DIR/overlay.png``;
 a recipe that fails is reported and the others still run (exit status 1).
 
-Run directory: ``config.json`` (arguments, resolved config, model, timings), ``recipe.yaml``,
-``metrics.jsonl`` (one row per step; keys in :mod:`qpass.apps.grpo.grpo`), ``eval.jsonl``,
-``layerwise.jsonl``, ``summary.json`` and ``plots.png``.
+Run directory: ``config.json`` (arguments, resolved config, model, timings), ``provenance.json``
+(command line, git commit + dirty flag, source digest, torch/triton/transformers versions, GPU name
+and driver: :mod:`qpass.provenance`), ``kernel_tiles.json`` (the Triton tile mode, ``--kernel-tiles``,
+and every tile used: :mod:`qpass.apps.runinfo`), ``recipe.yaml``, ``metrics.jsonl`` (one row per
+step; keys in :mod:`qpass.apps.grpo.grpo`), ``eval.jsonl``, ``layerwise.jsonl``, ``summary.json``
+and ``plots.png``.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
 from qpass.apps.cliutil import pos_int as _pos_int
+from qpass.apps.runinfo import add_kernel_tiles
 
 log = logging.getLogger("qpass.apps.grpo.cli")
 
-__all__ = ["build_grpo_parser", "build_plot_parser", "grpo_main", "grpo_plot_main", "main"]
+__all__ = ["build_compare_parser", "build_grpo_parser", "build_plot_parser", "grpo_compare_main", "grpo_main", "grpo_plot_main", "main"]
 
 
 # --------------------------------------------------------------------------- presets
@@ -134,8 +138,15 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress display (phases, steps, ETA)")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
     g.add_argument("--cuda-graphs", default=D.cuda_graphs, choices=list(CUDA_GRAPH_MODES),
-                   help="decode step of the rollout (and BF16 shadow) engine under CUDA graphs (CPU: always eager)")
+                   help="decode step of the rollout (and BF16 shadow) engine under CUDA graphs (CPU: always eager; "
+                        "an MoE rollout: always eager)")
+    add_kernel_tiles(g)
     add_verbose(g)
+
+    g = ap.add_argument_group("MoE (--model moe-default or another MoE model)")
+    g.add_argument("--routing-replay", default="off", choices=["on", "off"],
+                   help="the learner replays the rollout's recorded expert routes in every forward (R3); either way "
+                        "every step logs the routing mismatch (routing/...)")
 
     g = ap.add_argument_group("long runs (checkpoint / resume)")
     g.add_argument("--checkpoint-dir", type=Path, default=None,
@@ -183,7 +194,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g = ap.add_argument_group("task and reward")
     g.add_argument("--task", default="arithmetic", choices=["arithmetic", *TASK_PRESETS],
                    help="problem kind (qpass.rl.task.TASK_PRESETS): arithmetic expressions (--difficulty, --operators), "
-                        "successor ('What number comes after 389?', 900 problems) or larger ('Which is larger, 47 or 52?')")
+                        "successor ('What number comes after 389?', 900 problems), larger ('Which is larger, 47 or 52?'), "
+                        "chain / chain_long (4-5 / 6-7 operand + - expressions answered with worked steps; use "
+                        "--reward answer and --max-new-tokens >= 64)")
     g.add_argument("--difficulty", type=int, default=2, choices=[1, 2, 3, 4],
                    help="arithmetic preset (1: a+b one digit, 100 problems in all; 2: a+-b up to 2 digits; default 2)")
     g.add_argument("--operators", default=None,
@@ -195,8 +208,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--n-train", type=_pos_int, default=2000)
     g.add_argument("--n-eval", type=_nonneg_int, default=500, help="held-out split size (eval uses --eval-prompts of it)")
     g.add_argument("--reward", default="exact", help="'exact' (the last integer of the response is the answer), 'first' "
-                   "(the first integer is), 'format' (exact + --format-weight for a well-formed "
-                   "wrong answer) or MODULE:ATTR naming a callable (prompt_meta, response_text) -> float")
+                   "(the first integer is), 'answer' (the integer after the first 'Answer:'; for --task chain), 'format' "
+                   "(exact + --format-weight for a well-formed wrong answer) or MODULE:ATTR naming a callable "
+                   "(prompt_meta, response_text) -> float")
     g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
 
     g = ap.add_argument_group("checks and diagnostics")
@@ -232,11 +246,34 @@ def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, type=Path, help="output image (PNG)")
     ap.add_argument("--metric", action="append", default=None,
                     help="a metrics key to plot (repeatable; default: gap/token/g_abs, gap/max_abs, reward/mean, eval/accuracy)")
-    ap.add_argument("--preset", default="default", choices=["default", "quads"],
-                    help="panel set: default (gap, max|d|, reward, eval) or quads (QUADS Fig. 1/6 curves + clip "
-                         "fraction per advantage sign + clip-branch disagreement); --metric overrides")
+    ap.add_argument("--preset", default="default", choices=["default", "quads", "cost"],
+                    help="panel set: default (gap, max|d|, reward, eval), quads (QUADS Fig. 1/6 curves + clip "
+                         "fraction per advantage sign + clip-branch disagreement) or cost (held-out accuracy and G_abs "
+                         "against cumulative rollout seconds); --metric overrides")
+    ap.add_argument("--x", default=None,
+                    help="x axis: 'step' or a metrics key, e.g. time/rollout_s_cum (default: the preset's)")
     ap.add_argument("--smooth", type=_pos_int, default=1, help="moving-average window")
     ap.add_argument("--title", default=None, help="figure title (default: none)")
+    add_verbose(ap)
+    return ap
+
+
+DEFAULT_COMPARE_METRICS = ("eval/accuracy@last:3", "eval/accuracy@all", "gap/token/g_abs@all", "reward/mean@last:10")
+
+
+def build_compare_parser(prog: str = "qpass grpo-compare") -> argparse.ArgumentParser:
+    """The ``qpass grpo-compare`` argument parser."""
+    ap = argparse.ArgumentParser(prog=prog, description="Between-arm differences of GRPO runs with two-level block-bootstrap "
+                                 "CIs (seeds, then steps), and collapse per run by the written definition and by accuracy alone.")
+    ap.add_argument("runs", nargs="*", type=Path, help="run directories; an arm is the directory name without its _s<seed> suffix")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=DIR[,DIR...]", help="an arm given explicitly (repeatable)")
+    ap.add_argument("--metric", action="append", default=None, metavar="KEY[@WINDOW]",
+                    help="metric and window (all | last:N | steps:LO-HI), repeatable; default: " + ", ".join(DEFAULT_COMPARE_METRICS))
+    ap.add_argument("--block", type=_pos_int, default=5, help="moving-block length in steps (default 5)")
+    ap.add_argument("--boot", type=_pos_int, default=2000, help="bootstrap replicates (default 2000)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline", default=None, help="compare every arm against this arm only (default: every pair)")
+    ap.add_argument("--out", required=True, type=Path, help="JSON output (a .md with the tables is written beside it)")
     add_verbose(ap)
     return ap
 
@@ -249,18 +286,16 @@ class CliError(Exception):
 
 
 def _load_reward(spec: str, format_weight: float) -> Any:
-    from qpass.rl.task import ExactAnswerReward, exact_answer_reward, first_answer_reward
+    from qpass.rl.task import REWARDS, ExactAnswerReward
 
-    if spec == "exact":
-        return exact_answer_reward
-    if spec == "first":
-        return first_answer_reward
+    if spec in REWARDS:
+        return REWARDS[spec]
     if spec == "format":
         if not format_weight < 1:
             raise CliError(f"--format-weight must be in [0, 1), got {format_weight}")
         return ExactAnswerReward(format_weight=format_weight)
     if ":" not in spec:
-        raise CliError(f"--reward must be 'exact', 'format' or MODULE:ATTR, got {spec!r}")
+        raise CliError(f"--reward must be one of {[*REWARDS, 'format']} or MODULE:ATTR, got {spec!r}")
     mod, _, attr = spec.partition(":")
     try:
         obj = getattr(importlib.import_module(mod), attr)
@@ -309,7 +344,7 @@ def _grpo_config(a: argparse.Namespace, steps: int, max_time_s: float | None) ->
             diag_every=a.diag_every, eval_every=a.eval_every if a.n_eval else 0, eval_prompts=min(a.eval_prompts, a.n_eval),
             eval_max_new_tokens=a.eval_max_new_tokens, eval_temperature=a.eval_temperature, ess_cap=a.ess_cap,
             initial_check=not a.no_initial_check, max_time_s=max_time_s, cuda_graphs=a.cuda_graphs,
-            recalibrate=a.recalibrate,
+            recalibrate=a.recalibrate, routing_replay=a.routing_replay == "on",
         )
     except (ValueError, TypeError) as exc:
         from qpass.apps.validate import flag_message
@@ -326,16 +361,18 @@ def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
 
 
 def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: Any, dest: Path, steps: int,
-             max_time_s: float | None, argv: Sequence[str], shadow: Any = None, calibration: Any = None) -> dict[str, Any]:
+             max_time_s: float | None, argv: Sequence[str], shadow: Any = None, calibration: Any = None,
+             prov: dict | None = None) -> dict[str, Any]:
     """Train one recipe into ``dest`` (atomically), resuming from / saving to ``--checkpoint-dir``.
-    Returns the summary."""
+    ``prov``: the command's provenance record (``provenance.json``). Returns the summary."""
     from qpass.apps.grpo.checkpoint import checkpoint_path, legacy_path
+    from qpass.apps.runinfo import kernel_tiles_report, write_provenance
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
     from qpass.atomic import atomic_dir
-    from qpass.diagnostics.collapse import collapse_summary
-    from qpass.rl.task import TEMPLATES, first_answer_reward
+    from qpass.diagnostics.collapse import accuracy_collapse_summary, collapse_summary
+    from qpass.rl.task import REWARDS, TEMPLATES
 
     cfg = _grpo_config(a, steps, max_time_s)
     out_dir = atomic_dir(dest, force=a.force, marker="summary.json", keep_partial=a.keep_partial)
@@ -348,10 +385,12 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
                 "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
                 "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "template": a.template, "reward": a.reward,
-                "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s},
+                "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s}, "kernel_tiles": a.kernel_tiles,
                 "calibration": calibration.summary() if calibration is not None else None,
             }
             write_json_atomic(tmp / "config.json", config)
+            if prov is not None:
+                write_provenance(tmp, {**prov, "run": {"recipe": recipe.name, "out": str(dest)}})
             write_text_atomic(tmp / "recipe.yaml", recipe.text or "")
             with contextlib.ExitStack() as engines:
                 engine = engines.enter_context(_learner_engine(a, pipe, learner))
@@ -368,7 +407,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                                       shadow=shadow if cfg.shadow else None, metrics_path=tmp / "metrics.jsonl",
                                       layerwise_path=tmp / "layerwise.jsonl", eval_path=tmp / "eval.jsonl", recipe_name=recipe.name,
                                       template=TEMPLATES[a.template], learner_engine=engine, rollout_engine=rollout_eng,
-                                      answer_fn=first_answer_reward if a.reward == "first" else None,
+                                      answer_fn=REWARDS.get(a.reward),
                                       calibration=calibration,
                                       calibration_model=_calibration_model(pipe) if cfg.recalibrate else None)
                 ckpt = checkpoint_path(a.checkpoint_dir, recipe.name) if a.checkpoint_dir is not None else None
@@ -405,6 +444,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "resumed_from_step": resumed_from, "steps_this_command": len(res.rows), "checkpoint": str(ckpt) if ckpt else None,
                 "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
                 "collapse": collapse_summary(trainer.history["eval"], rows),
+                "collapse_accuracy_only": accuracy_collapse_summary(trainer.history["eval"]),
                 "last": {k: last.get(k) for k in keys},
                 "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
                                                                                     "shadow_gap/token/g_abs", "clip/frac",
@@ -419,6 +459,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                 "engine_bitexact_steps": [r.get("parity/engine_bitexact_ok") for r in rows if "parity/engine_bitexact_ok" in r],
             }
             write_json_atomic(tmp / "summary.json", summary)
+            write_json_atomic(tmp / "kernel_tiles.json", kernel_tiles_report(a.kernel_tiles, a.kernels))
             if not a.no_plots and rows:
                 plot_runs([tmp], tmp / "plots.png", title=f"GRPO {recipe.name}")
                 plot_runs([tmp], tmp / "quads_curves.png", title=f"GRPO {recipe.name}", preset="quads")
@@ -462,6 +503,20 @@ def _check_learner_model(a: argparse.Namespace, hf_config: Any) -> None:
             layout_from_hf(hf_config, tp=a.tp)
         except MegatronConfigError as exc:
             raise CliError(f"--learner megatron --tp {a.tp}: {exc}") from None
+
+
+def _check_moe_args(a: argparse.Namespace, pipe: Any) -> None:
+    """``--routing-replay`` / ``--cuda-graphs`` against the loaded model (MoE or dense), before any recipe runs."""
+    from qpass.moe.routing import has_routing
+
+    moe = has_routing(pipe.base_step.gm)
+    if a.routing_replay == "on" and not moe:
+        raise CliError(f"--routing-replay on needs an MoE model; {pipe.loaded.name} has no MoE router")
+    if moe and a.cuda_graphs == "on":
+        raise CliError("--cuda-graphs on: an MoE rollout records its expert routes at every decode step and stays eager "
+                       "(use --cuda-graphs auto or off)")
+
+
 def _vllm_engine(a: argparse.Namespace, pipe: Any, rollout: Any) -> Any:
     """The vLLM engine context for ``--rollout-engine vllm``: the recipe's rollout side exported from the
     initial master weights (:func:`qpass.apps.engines.vllm_rollout`), one live engine for the whole run."""
@@ -555,6 +610,11 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
         except (_QpassError, ImportError) as exc:
             raise CliError(f"--kernels {a.kernels}: {exc}") from exc
         _check_learner_args(a)
+        if a.routing_replay == "on" and a.model == "default":
+            raise CliError("--routing-replay on needs an MoE model (e.g. --model moe-default); the default model is dense")
+        if a.routing_replay == "on" and a.rollout_engine != "qpass":
+            raise CliError(f"--routing-replay on needs the rollout's recorded routes: --rollout-engine {a.rollout_engine} "
+                           "does not record them (use --rollout-engine qpass)")
         if a.learner != "qpass":
             try:
                 load_backends([a.learner])
@@ -576,6 +636,11 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
 
         torch.set_num_threads(a.threads)
     failed: list[str] = []
+    from qpass.apps.runinfo import kernel_tiles_scope, provenance
+
+    prov = provenance(["grpo", *argv_list], device=a.device, kernels=a.kernels, kernel_tiles=a.kernel_tiles)
+    scopes = contextlib.ExitStack()  # the Triton tile mode (--kernel-tiles) for the whole command
+    scopes.enter_context(kernel_tiles_scope(a.kernel_tiles))
     try:
         try:
             over = {"operators": tuple(a.operators.split(","))} if a.operators else {}
@@ -602,6 +667,7 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
             raise CliError(f"--max-len {max_len} is shorter than the longest prompt + max new tokens ({need})")
         batch = a.batch_size or min(a.prompts_per_step * a.group_size, 64)
         pipe = Pipeline.prepare(a.model, dtype=a.dtype, device=a.device, batch_size=batch, max_len=max_len, loaded=lm)
+        _check_moe_args(a, pipe)
         summaries = {}
         shadow = None
         if not a.no_shadow:  # the BF16 shadow: the bf16 recipe's rollout engine, built once for every recipe
@@ -626,7 +692,7 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
                     budget = share if budget is None else min(budget, share)
                 try:
                     summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list,
-                                                      shadow, calibration)
+                                                      shadow, calibration, prov)
                     s = summaries[recipe.name]
                     print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
                           f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
@@ -660,6 +726,8 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
         if type(exc).__name__ == "MegatronRankError":  # a learner rank died: a failed run, not bad input
             return 1
         return exit_status(exc)
+    finally:
+        scopes.close()
     return 1 if failed else 0
 
 
@@ -680,7 +748,7 @@ def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
         for d in a.runs:  # every run read (and its rows checked) before anything is drawn
             if not load_run(d).rows:
                 raise ValueError(f"{d / 'metrics.jsonl'} holds no complete metric row (nothing to plot)")
-        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title, preset=a.preset)
+        out = plot_runs(a.runs, a.out, panels=a.metric, smooth=a.smooth, title=a.title, preset=a.preset, x=a.x)
     except (FileNotFoundError, ValueError, QpassError) as exc:
         print(f"qpass grpo-plot: error: {exc}", file=sys.stderr)
         return 2
@@ -688,10 +756,75 @@ def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def compare_arms_from_args(a: argparse.Namespace) -> tuple[dict[str, list[Path]], list[tuple[str, Any]]]:
+    """Arms and metrics of ``qpass grpo-compare``, validated (no run is read beyond its existence).
+
+    Raises:
+        CliError: a bad metric / window, an ``--arm`` without ``=``, a directory without metrics.jsonl,
+            an arm named twice, or no runs at all.
+    """
+    from qpass.diagnostics.compare import arm_of, parse_metric
+
+    try:
+        metrics = [parse_metric(m) for m in (a.metric or DEFAULT_COMPARE_METRICS)]
+    except ValueError as exc:
+        raise CliError(f"--metric: {exc}") from None
+    arms: dict[str, list[Path]] = {}
+    for d in a.runs:
+        arms.setdefault(arm_of(d.name)[0], []).append(d)
+    for spec in a.arm:
+        name, eq, dirs = spec.partition("=")
+        if not eq or not name.strip() or not dirs.strip():
+            raise CliError(f"--arm must be NAME=DIR[,DIR...], got {spec!r}")
+        if name in arms:
+            raise CliError(f"arm {name!r} is given twice")
+        arms[name.strip()] = [Path(x) for x in dirs.split(",") if x.strip()]
+    if not arms:
+        raise CliError("no runs given (positional run directories or --arm NAME=DIR)")
+    for name, dirs in arms.items():
+        for d in dirs:
+            if not (d / "metrics.jsonl").is_file():
+                raise CliError(f"arm {name!r}: {d} is not a GRPO run directory (no metrics.jsonl)")
+    if a.baseline is not None and a.baseline not in arms:
+        raise CliError(f"--baseline {a.baseline!r} is not an arm; arms: {sorted(arms)}")
+    return arms, metrics
+
+
+def grpo_compare_main(argv: Sequence[str] | None = None) -> int:
+    """``qpass grpo-compare RUN... --out F.json`` (arguments after the subcommand). Returns the exit status."""
+    ap = build_compare_parser()
+    try:
+        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return _exit_code(exc)
+    from qpass.diagnostics.compare import compare_runs, to_markdown
+    from qpass.jsonio import write_json
+    from qpass.atomic import write_atomic
+
+    try:
+        arms, metrics = compare_arms_from_args(a)
+        res = compare_runs(arms, metrics, block=a.block, n_boot=a.boot, seed=a.seed, baseline=a.baseline)
+    except CliError as exc:
+        ap.print_usage(sys.stderr)
+        print(f"qpass grpo-compare: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:  # a run file that does not parse
+        print(f"qpass grpo-compare: error: {exc}", file=sys.stderr)
+        return 2
+    write_json(a.out, res)
+    md = to_markdown(res)
+    write_atomic(a.out.with_suffix(".md"), md)
+    print(md)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``grpo ...`` or ``grpo-plot ...``; returns the exit status (2 for an unknown subcommand)."""
+    """``grpo ...``, ``grpo-plot ...``, ``grpo-compare ...`` or ``grpo-sweep ...``; returns the exit status
+    (2 for an unknown subcommand)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main}
+    from qpass.apps.grpo.sweep import sweep_main
+
+    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main, "grpo-compare": grpo_compare_main, "grpo-sweep": sweep_main}
     if not args or args[0] not in commands:
         print(f"usage: qpass {{{','.join(commands)}}} ...  (got {args[0]!r})" if args else
               f"usage: qpass {{{','.join(commands)}}} ...", file=sys.stderr)

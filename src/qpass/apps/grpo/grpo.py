@@ -67,7 +67,17 @@ Row keys (``null`` = no data, e.g. no valid token):
   static sites' amax) and ``calib/rac_channels_changed`` (fraction of static RAC channel slots that
   changed) of the re-calibration after this step's weight sync, ``time/recalibrate_s``;
 * ``reward/...``, ``adv/...``, ``resp/...``, ``entropy/token_mean`` (of the proximal policy's
-  sampling distribution at loss tokens), ``rollout/tokens_per_s``, ``time/...``.
+  sampling distribution at loss tokens), ``rollout/tokens_per_s``, ``time/...``;
+* cost, for accuracy-against-cost comparisons (wall seconds of this process; on a GPU shared by
+  several runs they include the waiting for it): ``time/rollout_s`` (sampling), ``time/learner_s``
+  (proximal pass + update), running totals ``time/{rollout,learner,step}_s_cum`` and
+  ``rollout/n_tokens_cum`` over the whole run (continued across resumes);
+* ``routing/...`` (MoE models): ``mismatch_mean`` / ``mismatch_max`` over layers of the fraction of
+  valid positions whose top-k expert set differs between the rollout's recorded routes and the
+  learner's own at ``p_prox`` (``mismatch_per_layer``), ``replay`` (whether the learner replayed
+  the rollout's routes: ``GRPOConfig.routing_replay``). Under replay a layer's "own" routes are
+  the router's choice given the replayed routes of the layers before it (the first MoE layer's
+  are the same either way).
 """
 
 from __future__ import annotations
@@ -154,7 +164,12 @@ class GRPOConfig(pydantic.BaseModel):
             started (estimated from the previous step); None = no limit.
         cuda_graphs: the built-in rollout engine's decode step under CUDA graphs: ``"auto"`` (on a
             CUDA device, falling back to eager with the reason logged if capture fails), ``"on"``
-            (capture failure is an error), ``"off"``. Ignored on CPU.
+            (capture failure is an error), ``"off"``. Ignored on CPU. An MoE model's rollout stays
+            eager (its routes are recorded in Python every step); ``"on"`` is then an error.
+        routing_replay: (MoE) the learner replays the rollout's recorded expert routes in every
+            forward (proximal, reference and update passes; "R3"). Either way an MoE run logs the
+            per-step routing mismatch between the rollout's routes and the learner's own
+            (``routing/...``). Needs an MoE model and the built-in rollout engine.
         recalibrate: after every weight sync, re-calibrate the rollout graph's static constants
             (``act_amax`` of static activation scales, static RAC channels) from the new master
             weights on the calibration's own tokens (:func:`qpass.calibration.run.recalibrate`);
@@ -195,6 +210,7 @@ class GRPOConfig(pydantic.BaseModel):
     max_time_s: float | None = pydantic.Field(None, gt=0)
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     recalibrate: bool = False
+    routing_replay: bool = False
 
     @pydantic.field_validator("loss", mode="before")
     @classmethod
@@ -421,9 +437,22 @@ class GRPOTrainer:
             raise ValueError("GRPOConfig.loss.beta > 0 needs a reference policy, which an external learner engine "
                              f"({getattr(learner_engine, 'name', '?')}) does not provide here")
         self.le = learner_engine if self.external else make_learner_engine("qpass", qg=learner)
+        from qpass.moe.routing import has_routing
+
+        self.moe = has_routing(rollout.gm)
+        if cfg.routing_replay and not self.moe:
+            raise ValueError("GRPOConfig.routing_replay needs an MoE model (the rollout graph has no qpass::moe_route node)")
+        if self.moe and rollout_engine is not None and cfg.routing_replay:
+            raise ValueError(f"routing replay needs the rollout's routes; the {getattr(rollout_engine, 'name', '?')} engine "
+                             "does not record them (use the built-in rollout engine)")
+        if self.moe and cfg.cuda_graphs == "on":
+            raise ValueError("an MoE rollout records its expert routes in Python at every decode step; "
+                             "cuda_graphs='on' would replay without them (use 'auto' or 'off')")
         self.graph_ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=int(pad), eos_token_id=self.eos_ids,
-                                           cuda_graphs=cfg.cuda_graphs)
+                                           cuda_graphs="off" if self.moe else cfg.cuda_graphs)
         self.ro = rollout_engine if rollout_engine is not None else self.graph_ro
+        self.route_diag = self.moe and self.ro is self.graph_ro  # routes recorded and compared every step
+        self._routes: dict[str, torch.Tensor] | None = None
         self.pad = int(pad)
         self.micro = cfg.micro_batch_size or self.ro.batch_size
         n_rows = cfg.prompts_per_step * cfg.group_size
@@ -502,24 +531,72 @@ class GRPOTrainer:
             append_jsonl(path, row)
 
     def _sample(self, rows: list[list[int]], step: int) -> tuple[Experience, float]:
+        import contextlib
+
+        from qpass.moe.routing import assemble_routes, generate_routes, record_routes
+
         cfg = self.cfg
-        chunks = []
+        chunks, routes = [], []
         t0 = time.perf_counter()
         for c, start in enumerate(range(0, len(rows), self.ro.batch_size)):
-            chunks.append(self.ro.generate(rows[start:start + self.ro.batch_size], max_new_tokens=cfg.max_new_tokens,
-                                           temperature=cfg.temperature, top_p=cfg.top_p, seed=_seed(cfg.seed, step, c)))
+            with (record_routes() if self.route_diag else contextlib.nullcontext()) as tape:
+                b = self.ro.generate(rows[start:start + self.ro.batch_size], max_new_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature, top_p=cfg.top_p, seed=_seed(cfg.seed, step, c))
+            chunks.append(b)
+            if tape is not None:
+                routes.append(generate_routes(tape.records, batch_size=int(b.input_ids.shape[0]), prompt_len=int(b.prompt_len),
+                                              seq_len=int(b.input_ids.shape[1])))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         exp = assemble(chunks, pad_token_id=self.pad, eos_token_ids=self.eos_ids, max_new_tokens=cfg.max_new_tokens)
+        self._routes = (assemble_routes(routes, chunks, prompt_len=exp.prompt_len, width=exp.response_width)
+                        if self.route_diag else None)
         return exp, wall
 
+    def _route_scope(self, idx: torch.Tensor, *, own: bool = False) -> Any:
+        """The routing context of a learner forward over rows ``idx`` (MoE): the rollout's routes
+        replayed (``routing_replay``), or with ``own`` the learner's own routes recorded; a null
+        context otherwise. The tape's ``records`` then hold the learner's own choices."""
+        import contextlib
+
+        from qpass.moe.routing import record_routes, replay_routes
+
+        if self._routes is None:
+            return contextlib.nullcontext(None)
+        if self.cfg.routing_replay:
+            i = idx.cpu()
+            return replay_routes({ly: r[i].reshape(-1, r.shape[-1]) for ly, r in self._routes.items()}, keep_own=own)
+        return record_routes() if own else contextlib.nullcontext(None)
+
+    def _routing_row(self, own: list[dict[str, list[torch.Tensor]]], exp: Experience) -> dict[str, Any]:
+        """``routing/...`` of one step: per-layer fraction of valid positions whose top-k expert set
+        differs between the rollout's recorded routes and the learner's own (proximal pass)."""
+        from qpass.moe.routing import routing_mismatch
+
+        assert self._routes is not None
+        learner = {ly: torch.cat([c for rec in own for c in rec.get(ly, [])]).cpu() for ly in self._routes}
+        rollout = {ly: r.reshape(-1, r.shape[-1]) for ly, r in self._routes.items()}
+        per = routing_mismatch(rollout, learner, exp.attention_mask.bool().reshape(-1).cpu())
+        vals = [m["mismatch"] for m in per.values() if m["tokens"]]
+        return {"routing/replay": bool(self.cfg.routing_replay), "routing/layers": len(per),
+                "routing/tokens": max((m["tokens"] for m in per.values()), default=0),
+                "routing/mismatch_mean": sum(vals) / len(vals) if vals else float("nan"),
+                "routing/mismatch_max": max(vals) if vals else float("nan"),
+                "routing/mismatch_per_layer": {ly: m["mismatch"] for ly, m in sorted(per.items())}}
+
     @torch.no_grad()
-    def _score(self, module: torch.nn.Module, exp: Experience, micro: list[torch.Tensor], entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _score(self, module: torch.nn.Module, exp: Experience, micro: list[torch.Tensor], entropy: bool,
+               own_routes: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of every row, micro-batch by micro-batch; ``own_routes`` (a list)
+        receives each micro-batch's recording of the learner's own MoE routes."""
         lps, ents = [], []
         for idx in micro:
-            lp, ent = response_logprobs(module, exp.select(idx), temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                        with_entropy=entropy)
+            with self._route_scope(idx, own=own_routes is not None) as tape:
+                lp, ent = response_logprobs(module, exp.select(idx), temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                            with_entropy=entropy)
+            if own_routes is not None and tape is not None:
+                own_routes.append(tape.records)
             lps.append(lp)
             ents.append(ent)
         return torch.cat(lps), (torch.cat(ents) if entropy else None)
@@ -674,7 +751,8 @@ class GRPOTrainer:
                         if not bool(sub.response_mask.any()) or (cfg.loss.beta == 0 and not bool((adv[idx] != 0).any())):
                             agg.micro_skipped += 1
                             continue
-                        logp, _ = response_logprobs(self.le, sub, temperature=cfg.temperature, top_p=cfg.top_p)
+                        with self._route_scope(idx):
+                            logp, _ = response_logprobs(self.le, sub, temperature=cfg.temperature, top_p=cfg.top_p)
                         out = grpo_loss(logp, lprox[idx], sub.logq, adv[idx], sub.response_mask, cfg.loss,
                                         logp_ref=None if lref is None else lref[idx], normalizer=norm)
                         out.loss.backward()
@@ -793,10 +871,13 @@ class GRPOTrainer:
         # 3. proximal (and reference) log-probs, before any update
         t0 = time.perf_counter()
         micro = micro_batches(exp.n, self.micro)
+        own: list | None = [] if self._routes is not None else None
         with reuse_weight_quantization(self.quant_reuse):  # same weights: each site's QDQ once for all micro-batches
-            lprox, ent = self._score(self.le, exp, micro, entropy=True)
+            lprox, ent = self._score(self.le, exp, micro, entropy=True, own_routes=own)
             lref = self._score(self.ref, exp, micro, entropy=False)[0] if self.ref is not None else None
         row["time/prox_s"] = time.perf_counter() - t0
+        if own is not None:
+            row.update(self._routing_row(own, exp))
         n_valid = int(mask.sum())
         row["entropy/token_mean"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum()) / n_valid if n_valid else float("nan")
         gap = mismatch_metrics(lprox, exp.logq, mask, ess_cap=cfg.ess_cap)
@@ -824,6 +905,12 @@ class GRPOTrainer:
             torch.cuda.synchronize()
         row.update(upd)
         row["time/update_s"] = time.perf_counter() - t0
+        # cost (same process, same card): the learner's seconds of this step, and running totals over the run
+        row["time/learner_s"] = row["time/prox_s"] + row["time/update_s"]
+        prev = self.history["metrics"][-1] if self.history["metrics"] else {}
+        row["time/rollout_s_cum"] = float(prev.get("time/rollout_s_cum") or 0.0) + row["time/rollout_s"]
+        row["time/learner_s_cum"] = float(prev.get("time/learner_s_cum") or 0.0) + row["time/learner_s"]
+        row["rollout/n_tokens_cum"] = int(prev.get("rollout/n_tokens_cum") or 0) + row["rollout/n_tokens"]
         if lshadow is not None:
             row.update(self._disagreement(forwards, exp, adv, lshadow).to_dict("clip/"))
 
@@ -881,6 +968,7 @@ class GRPOTrainer:
         self.step_idx = s
         self._final_done = bool(final)
         row["time/step_s"] = time.perf_counter() - t_step
+        row["time/step_s_cum"] = float(prev.get("time/step_s_cum") or 0.0) + row["time/step_s"]
         self._write("metrics", row)
         if failures:
             self._parity_failure(f"step {s}: " + "; ".join(failures))

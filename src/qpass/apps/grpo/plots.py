@@ -9,7 +9,13 @@ line). Panel presets (:data:`PRESETS`, ``qpass grpo-plot --preset``):
 * ``quads``: the curves of QUADS Fig. 1 / Fig. 6 (reward, held-out accuracy, ``G_abs``, ``max|d|``
   vs step) plus the clip fraction per advantage sign of the loss's ratio and of the coupled ratio
   ``p_theta / q`` over every update forward, and the clip-branch disagreement against the BF16
-  shadow engine per sign.
+  shadow engine per sign;
+* ``cost``: held-out accuracy and ``G_abs`` against the cumulative rollout seconds of the run
+  (``time/rollout_s_cum``: accuracy at matched rollout cost; any metrics key can be the x axis,
+  ``qpass grpo-plot --x KEY``). An eval at step ``s`` is placed at the x value of step ``s``'s row
+  (step 0 at 0).
+
+Runs with the same recipe (seeds of one arm) are labelled by their directory name.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from qpass.apps.plot_style import readable_log_ticks
 from qpass.atomic import write_atomic
 from qpass.apps.grpo.jsonl import read_jsonl
 
-__all__ = ["DEFAULT_PANELS", "PRESETS", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs", "runs_figure"]
+__all__ = ["COST_PANELS", "DEFAULT_PANELS", "PRESETS", "PRESET_X", "QUADS_PANELS", "Panel", "RunData", "load_run", "plot_runs",
+           "runs_figure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +65,15 @@ QUADS_PANELS: tuple[Panel, ...] = (
     Panel("clip/frac_neg", "clip-branch disagreement vs BF16 shadow, A < 0"),
 )
 
+COST_PANELS: tuple[Panel, ...] = (
+    Panel("eval/accuracy", "held-out accuracy vs cumulative rollout seconds"),
+    Panel("gap/token/g_abs", "G_abs vs cumulative rollout seconds", log_y=True),
+)
+
 #: Named panel sets of :func:`plot_runs` (``qpass grpo-plot --preset``).
-PRESETS: dict[str, tuple[Panel, ...]] = {"default": DEFAULT_PANELS, "quads": QUADS_PANELS}
+PRESETS: dict[str, tuple[Panel, ...]] = {"default": DEFAULT_PANELS, "quads": QUADS_PANELS, "cost": COST_PANELS}
+#: The x axis each preset uses unless ``x`` is given (``"step"`` or a metrics key).
+PRESET_X: dict[str, str] = {"default": "step", "quads": "step", "cost": "time/rollout_s_cum"}
 
 
 @dataclasses.dataclass
@@ -70,14 +84,23 @@ class RunData:
     rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
 
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        """``(steps, values)`` of ``key`` (eval keys from eval.jsonl); missing / null values skipped."""
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """``(xs, values)`` of ``key`` (eval keys from eval.jsonl); missing / null values skipped.
+
+        ``x``: ``"step"`` or a metrics key; a row's x is the value of that key in the metrics row of
+        its step (0 at step 0; rows whose step has no finite x are skipped).
+        """
         src = self.eval_rows if key.startswith("eval/") and self.eval_rows else self.rows
+        xmap = None if x == "step" else {int(r["step"]): r.get(x) for r in self.rows}
         xs, ys = [], []
         for r in src:
             v = r.get(key)
+            s = int(r["step"])
+            xv: Any = s if xmap is None else (0.0 if s == 0 else xmap.get(s))
+            if not (isinstance(xv, (int, float)) and not isinstance(xv, bool) and math.isfinite(xv)):
+                continue
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                xs.append(int(r["step"]))
+                xs.append(xv)
                 ys.append(float(v))
         return xs, ys
 
@@ -141,6 +164,7 @@ def plot_runs(
     smooth: int = 1,
     title: str | None = None,
     preset: str = "default",
+    x: str | None = None,
 ) -> Path:
     """Overlay the runs in ``run_dirs`` on one figure and save it atomically to ``out`` (PNG).
 
@@ -151,13 +175,15 @@ def plot_runs(
         preset: a key of :data:`PRESETS` (used when ``panels`` is None).
         smooth: trailing moving-average window over steps (1 = raw).
         title: figure title.
+        x: the x axis: ``"step"`` or a metrics key such as ``time/rollout_s_cum`` (default: the
+            preset's, :data:`PRESET_X`).
     Returns:
         ``out`` as a Path.
     Raises:
         ValueError: no run directories, ``smooth < 1`` or an unknown preset.
         FileNotFoundError: see :func:`load_run`.
     """
-    fig = runs_figure(run_dirs, panels=panels, smooth=smooth, title=title, preset=preset)  # selects the Agg backend
+    fig = runs_figure(run_dirs, panels=panels, smooth=smooth, title=title, preset=preset, x=x)  # selects the Agg backend
     import matplotlib.pyplot as plt
 
     out = Path(out)
@@ -177,6 +203,7 @@ def runs_figure(
     smooth: int = 1,
     title: str | None = None,
     preset: str = "default",
+    x: str | None = None,
 ) -> Any:
     """The matplotlib figure :func:`plot_runs` saves (same arguments, same errors)."""
     if not run_dirs:
@@ -191,7 +218,12 @@ def runs_figure(
     import matplotlib.pyplot as plt
 
     ps = [p if isinstance(p, Panel) else Panel(p, p) for p in (panels or PRESETS[preset])]
+    x = x or PRESET_X[preset]
     runs = [load_run(d) for d in run_dirs]
+    labels = [r.label for r in runs]
+    for r, d in zip(runs, run_dirs):  # seeds of one recipe: name them by directory
+        if labels.count(r.label) > 1:
+            r.label = Path(d).name
     ncol = 2 if len(ps) > 1 else 1
     nrow = math.ceil(len(ps) / ncol)
     # constrained layout keeps the suptitle above the first row's panel titles
@@ -202,11 +234,11 @@ def runs_figure(
     for ax, panel in zip(axes.flat, ps):
         drawn: list[tuple[list[int], list[float]]] = []
         for k, run in enumerate(runs):
-            xs, ys = run.series(panel.key)
+            xs, ys = run.series(panel.key, x)
             if not xs:
                 continue
             if panel.log_y and any(y <= 0 for y in ys):
-                xs, ys = zip(*[(x, y) for x, y in zip(xs, ys) if y > 0]) if any(y > 0 for y in ys) else ([], [])
+                xs, ys = zip(*[(xv, y) for xv, y in zip(xs, ys) if y > 0]) if any(y > 0 for y in ys) else ([], [])
                 xs, ys = list(xs), list(ys)
                 if not xs:
                     continue
@@ -215,13 +247,14 @@ def runs_figure(
             ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=6 if few else 3, label=run.label,
                     color=colors[k % len(colors)])  # one color per run in every panel
             if few:  # one or two points: print the values, a lone marker says little on its own
-                for x, y in zip(xs, ys):
-                    ax.annotate(f"{y:.4g}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=7,
+                for xv, y in zip(xs, ys):
+                    ax.annotate(f"{y:.4g}", (xv, y), textcoords="offset points", xytext=(6, 6), fontsize=7,
                                 color=colors[k % len(colors)])
             drawn.append((xs, ys))
         ax.set_title(panel.title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(x if x != "step" else "step")
+        if x == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.log_y and drawn:
             ax.set_yscale("log")
         if drawn:

@@ -16,8 +16,9 @@ Verdict rules (thresholds are stated in ``study.md`` next to each verdict):
   the gap and significant).
 * C3 RAC reduces the gap monotonically in k: mean|d| (and separately max|d|) non-increasing over
   the measured k for each mode x selection.
-* C4 asymmetric < symmetric layer-wise mismatch: mean over sites of the relative mismatch, per
-  rollout execution mode (prefill, decode) and per input (pre-quantization X, GEMM operand).
+* C4 asymmetric < symmetric layer-wise mismatch: mean over sites of the relative mismatch in decode
+  mode (the rows the rollout computes when it samples; the degenerate prefill reading is no longer
+  measured) per input (pre-quantization X, GEMM operand).
 * C5 (GRPO) is not measured by a fixed-checkpoint study; its static analogue (naive W4A4 vs
   QUADS vs BF16 floor at this checkpoint) is.
 """

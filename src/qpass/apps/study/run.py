@@ -16,7 +16,16 @@ What it measures (SPEC §2 claims, SPEC §4 metrics), on the model as loaded:
    symmetric W4A4-QAT learner against the W4A4 rollout);
 3. RAC ratio k x mode {masked, gathered} x selection {batch, token} on the QUADS configuration
    (weight-QDQ learner, W4A4 rollout + RAC on gate/up): mean and max |d|, FLOPs, CUDA time;
-4. layer-wise input mismatch per site, asymmetric W4A16 QAT vs symmetric W4A4 QAT.
+4. layer-wise input mismatch per site, asymmetric W4A16 QAT vs symmetric W4A4 QAT, in decode mode
+   (the rows the rollout computes when it samples; the former prefill reading is dropped: there the
+   symmetric learner's per-tensor scales are those of the rollout's own call over the same rows, so
+   the two were bit-identical at most sites and the comparison said nothing about C4).
+
+``--learner-engine hf-eager|hf-sdpa`` scores every learner configuration with the Hugging Face
+model's own forward (:class:`qpass.runtime.hf_engine.HFLearnerEngine`, the learner's QDQ applied
+with qpass's ops) instead of qpass's scoring graph, so learner and rollout are different engines and
+the BF16 floor carries a real engine drift (``qpass`` keeps both in qpass's graphs: a floor of
+about 0 on the GPU).
 
 Every configuration is one side of a YAML recipe (shipped or ``qpass/apps/study/recipes``), with the
 layer restriction and the RAC sweep applied as overrides and validated like a recipe file, built
@@ -29,8 +38,11 @@ configuration's ``log q`` comes from replaying exactly those tokens through its 
 :func:`qpass.parity.behavior.logprob_gap` (each rollout samples its own tokens, same seeds).
 
 Outputs (written atomically: a sibling temp dir renamed to ``DIR`` at the end): ``study.json``
-(every number, the configuration, model, device, kernel backend, versions, timings), ``study.md``
-(tables and a verdict per SPEC §2 claim), ``gap_vs_k.png``, ``layerwise.png``,
+(every number, the configuration, model, device, kernel backend, versions, timings, ``provenance``),
+``provenance.json`` (:mod:`qpass.provenance`), ``kernel_tiles.json``, ``gaps.safetensors`` (every
+learner's ``log p`` and every rollout's ``log q`` on the fixed tokens plus the valid mask: each pair's
+per-response gaps, so every CI can be recomputed, :func:`qpass.apps.study.recompute.recompute`),
+``study.md`` (tables and a verdict per SPEC §2 claim), ``gap_vs_k.png``, ``layerwise.png``,
 ``operand_ablation.png``.
 
 Full defaults: the whole 24-prompt probe set in one static batch, 32 new tokens, all layers,
@@ -113,6 +125,10 @@ class StudyConfig:
             graphs) or ``vllm`` (a live vLLM engine per configuration serving its exported
             checkpoint: the BF16 floor then carries vLLM's engine drift; W16A4 is served as an
             activation-only checkpoint, ``qpass_weight: "none"``). The paired replay always uses the graphs.
+        learner_engine: who scores ``log p``: ``qpass`` (the learner graphs) or ``hf-eager`` /
+            ``hf-sdpa`` (:class:`qpass.runtime.hf_engine.HFLearnerEngine`: another engine than the
+            rollout's, for a floor with real engine drift).
+        kernel_tiles: Triton launch tiles, ``pinned`` (per shape, no timing) or ``autotune``.
     """
 
     model: str = "default"
@@ -134,6 +150,12 @@ class StudyConfig:
     force: bool = False
     progress: bool = True
     rollout_engine: str = "qpass"
+    learner_engine: str = "qpass"
+    kernel_tiles: str = "pinned"
+
+
+#: ``--learner-engine`` choices: qpass's scoring graph, or the HF forward with that attention.
+LEARNER_ENGINES = ("qpass", "hf-eager", "hf-sdpa")
 
 
 # ------------------------------------------------------------------------------------ building
@@ -220,11 +242,21 @@ def run_study(cfg: StudyConfig, pipe: Any | None = None) -> dict[str, Any]:
 
 
 def _run(cfg: StudyConfig, pipe: Any | None) -> dict[str, Any]:
-    from qpass.ops import use_kernels
-
+    from qpass.apps.runinfo import kernel_tiles_report, kernel_tiles_scope
     from qpass.apps.plugins import load_backends
 
+    if cfg.learner_engine not in LEARNER_ENGINES:
+        raise QpassError(f"learner_engine must be one of {LEARNER_ENGINES}, got {cfg.learner_engine!r}")
     load_backends([cfg.kernels])  # the one registration path
+    with kernel_tiles_scope(cfg.kernel_tiles):
+        res = _run_phases(cfg, pipe)
+        res["kernel_tiles"] = kernel_tiles_report(cfg.kernel_tiles, cfg.kernels)
+    return res
+
+
+def _run_phases(cfg: StudyConfig, pipe: Any | None) -> dict[str, Any]:
+    from qpass.ops import use_kernels
+
     st = _Study(cfg, pipe)
     with use_kernels(cfg.kernels), torch.no_grad():
         graphs, roll_acts = st.base_rollouts()
@@ -294,6 +326,14 @@ class _Study:
         self.learner_info: dict[str, dict[str, Any]] = {}
         self.invariants: dict[str, Any] = {}
 
+    def learner_engine(self, learner: QGraph) -> Any:
+        """``learner`` as the configured learner engine (its graph, or the HF forward with its QDQ)."""
+        if self.cfg.learner_engine == "qpass":
+            return learner
+        from qpass.runtime.hf_engine import HFLearnerEngine
+
+        return HFLearnerEngine(self.pipe.loaded.model, attn=self.cfg.learner_engine.split("-", 1)[1], learner=learner)
+
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
@@ -358,7 +398,7 @@ class _Study:
         Returns the layer-wise section and the BF16 and weight-QDQ learner graphs (for the
         on-policy phase).
         """
-        raw: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+        raw: dict[str, dict[str, Any]] = {"decode": {}}
         kept: dict[str, QGraph] = {}
         for name in ("bf16", "w_qdq", "a_qdq", "wa_qdq", "a_qdq_pt", "wa_qdq_pt"):
             self.prog.step(f"learner {name}")
@@ -366,13 +406,13 @@ class _Study:
             recipe = study_recipe(LEARNERS[name], layers=self.cfg.layers)
             learner = build_config(self.pipe, "learner", recipe)
             build_s = time.perf_counter() - t
-            self.logp[name] = learner_logp(learner, self.sset)
+            self.logp[name] = learner_logp(self.learner_engine(learner), self.sset)
             info = {**_recipe_info(recipe, "learner"), "build_s": build_s, "score_s": time.perf_counter() - t - build_s}
             side = {"w_qdq": "asym", "wa_qdq": "sym"}.get(name)
             if side is not None:
                 t2 = time.perf_counter()
                 lacts = lw.capture_scoring(learner, self.ids0, self.am0)
-                for mode in ("prefill", "decode"):
+                for mode in raw:  # decode only: the prefill reading is degenerate (module docstring)
                     raw[mode][side] = lw.compare(lacts, roll_acts[mode], self.lw_mask)
                 del lacts
                 info["layerwise_s"] = time.perf_counter() - t2
@@ -395,9 +435,10 @@ class _Study:
                            f"({rows} rows). rel = ||X_roll - X_learn||_F / ||X_learn||_F per site. `pre`: the "
                            "projection input before activation quantization (upstream drift); `eff`: the GEMM operand "
                            "(learner: act-QDQ output or X; rollout: DQ(Q_A(X)) over the rows of that op call). Rollout "
-                           "modes: `prefill` = the step graph run once over prompt + response (the brief's definition); "
-                           "`decode` = rows recorded while replaying the tokens one decode step at a time (what the "
-                           "rollout computes when it samples)."),
+                           "mode `decode`: rows recorded while replaying the tokens one decode step at a time (what the "
+                           "rollout computes when it samples). The prefill reading (the step graph run once over prompt "
+                           "+ response) is not reported: the symmetric learner's per-tensor activation scales are then "
+                           "the rollout's own over the same rows, bit-identical at most sites."),
             "summary": summary, "per_site": per_site,
         }
         return layerwise, kept
@@ -409,7 +450,7 @@ class _Study:
         engine's drift when the rollout engine is vLLM)."""
         from qpass.parity.behavior import logprob_gap, rescore
 
-        learner_bf16 = learners["bf16"]
+        learner_bf16 = self.learner_engine(learners["bf16"])
 
         cfg, out = self.cfg, {}
         for name in ("bf16", "w4a16", "w16a4", "w4a4"):
@@ -434,7 +475,7 @@ class _Study:
                          "rollout_engine": cfg.rollout_engine}
             if name in ("w4a16", "w4a4") and "w_qdq" in learners:
                 t = time.perf_counter()
-                g2 = rescore(learners["w_qdq"], g, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                g2 = rescore(self.learner_engine(learners["w_qdq"]), g, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                              top_p=cfg.top_p)
                 out[f"{name}@w_qdq"] = {**g2.summary(), "time_s": time.perf_counter() - t,
                                         "rollout_engine": cfg.rollout_engine}
@@ -546,6 +587,11 @@ class _Study:
         }
         res = _clean(res)
         res["claims"] = evaluate_claims(res)
+        # the per-token log-probs behind every pair (written to gaps.safetensors, not into study.json)
+        res["_tensors"] = {"valid": valid.to(torch.uint8).contiguous(),
+                           "response_index": self.sset.response_ids().contiguous(),
+                           **{f"logp.{k}": v.float().contiguous() for k, v in logp.items()},
+                           **{f"logq.{k}": v.float().contiguous() for k, v in logq.items()}}
         return res
 
 
@@ -627,16 +673,44 @@ def _k100_selection_check(acts: lw.Acts, rac_sites: list[str]) -> dict[str, bool
 
 
 # ------------------------------------------------------------------------------------ outputs
-def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Path:
-    """Write ``study.json``, ``study.md`` and the plots into ``out`` atomically."""
+GAPS_FILE = "gaps.safetensors"
+
+
+def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False, provenance: dict[str, Any] | None = None) -> Path:
+    """Write ``study.json``, ``study.md``, the plots, ``gaps.safetensors``, ``provenance.json`` and
+    ``kernel_tiles.json`` into ``out`` atomically.
+
+    ``provenance``: the command's record (:func:`qpass.apps.runinfo.provenance`; default: collected
+    here with the study's configuration, command ``study``).
+    """
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from qpass.apps.runinfo import provenance as make_provenance
+    from qpass.apps.runinfo import write_provenance
     from qpass.atomic import atomic_dir
-    from qpass.jsonio import write_json
+    from qpass.jsonio import dumps, write_json
     from qpass.apps.study.report import to_markdown, write_plots
 
+    res = dict(res)
+    tensors = res.pop("_tensors", None)
+    cfg = res.get("config", {})
+    prov = provenance or make_provenance(["study"], device=cfg.get("device", "cpu"), kernels=cfg.get("kernels", "reference"),
+                                         kernel_tiles=cfg.get("kernel_tiles", "pinned"))
     with atomic_dir(Path(out), force=force, marker="study.json") as tmp:
+        if tensors is not None:
+            meta = {"pairs": dumps({k: [p["learner"], p["rollout"]] for k, p in res["pairs"].items()}, compact=True),
+                    "schema": "qpass.study_gaps/1"}
+            save_file(tensors, str(tmp / GAPS_FILE), metadata=meta)
+            res["gaps_file"] = {"path": GAPS_FILE, "sha256": hashlib.sha256((tmp / GAPS_FILE).read_bytes()).hexdigest(),
+                                "tensors": sorted(tensors)}
         plots = write_plots(res, tmp)
-        res = {**res, "plots": plots}
+        res = {**res, "plots": plots, "provenance": prov}
         write_json(tmp / "study.json", res)
+        write_provenance(tmp, prov)
+        if "kernel_tiles" in res:
+            write_json(tmp / "kernel_tiles.json", res["kernel_tiles"])
         (tmp / "study.md").write_text(to_markdown(res))
     return Path(out)
 
@@ -644,6 +718,7 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False) -> Pat
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
+    from qpass.apps.runinfo import add_kernel_tiles
 
     p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
@@ -666,6 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_force(p, "study.json")
     add_verbose(p)
     add_rollout_engine(p)
+    p.add_argument("--learner-engine", default="qpass", choices=LEARNER_ENGINES,
+                   help="who scores log p: qpass's learner graph or the Hugging Face forward with eager / SDPA "
+                        "attention (a different engine from the rollout: a floor with real engine drift)")
+    add_kernel_tiles(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -700,11 +779,12 @@ def config_from_args(a: argparse.Namespace) -> StudyConfig:
                        max_new_tokens=tokens, quick=quick, ratios=ratios, layers=layers, batch_size=batch, seed=a.seed,
                        temperature=a.temperature, top_p=a.top_p, budget_s=a.budget_s, bootstrap=a.bootstrap,
                        threads=a.threads, force=a.force, progress=not a.no_progress,
-                       rollout_engine=a.rollout_engine)
+                       rollout_engine=a.rollout_engine, learner_engine=a.learner_engine, kernel_tiles=a.kernel_tiles)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit code (0 ok, 2 usage/QpassError)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     try:
@@ -715,8 +795,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise QpassError("--device cuda but torch.cuda.is_available() is False")
         check_output_path(Path(cfg.out), force=cfg.force, marker="study.json")  # before the long run
+        from qpass.apps.runinfo import provenance
+
+        prov = provenance(["study", *argv], device=cfg.device, kernels=cfg.kernels, kernel_tiles=cfg.kernel_tiles,
+                          extra={"learner_engine": cfg.learner_engine, "rollout_engine": cfg.rollout_engine})
         res = run_study(cfg)
-        write_outputs(res, Path(cfg.out), force=cfg.force)
+        write_outputs(res, Path(cfg.out), force=cfg.force, provenance=prov)
     except QpassError as exc:
         print(f"qpass study: error: {exc}", file=sys.stderr)
         return 2

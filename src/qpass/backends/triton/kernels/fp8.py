@@ -132,6 +132,8 @@ def _fp8_configs():
     ]
 
 
+from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
+
 if not INTERP:
     _fp8_gemm_tuned = triton.autotune(
         configs=_fp8_configs(), key=["M_BUCKET", "N", "K", "DOT_FP8"],
@@ -167,5 +169,10 @@ def launch_fp8_gemm(a, sa, a_br, w, sw, w_br, out, *, bias=None, dot_fp8=True):
         grid = (triton.cdiv(n, 32), triton.cdiv(m, 16))
         _fp8_gemm_kernel[grid](*args, BM=16, BN=32, DOT_FP8=False, num_warps=4, **meta)
     else:
-        grid = lambda mt: (triton.cdiv(n, mt["BN"]), triton.cdiv(m, mt["BM"]))  # noqa: E731
-        _fp8_gemm_tuned[grid](*args, DOT_FP8=dot_fp8, **meta)
+        tile = pinned_tile("fp8_gemm", M_BUCKET=args[-1], N=n, K=k, DOT_FP8=dot_fp8)
+        if tile is None:
+            grid = lambda mt: (triton.cdiv(n, mt["BN"]), triton.cdiv(m, mt["BM"]))  # noqa: E731
+            _fp8_gemm_tuned[grid](*args, DOT_FP8=dot_fp8, **meta)
+        else:
+            t = dict(tile.meta)
+            _fp8_gemm_kernel[(triton.cdiv(n, t["BN"]), triton.cdiv(m, t["BM"]))](*args, DOT_FP8=dot_fp8, **meta, **tile.kwargs())

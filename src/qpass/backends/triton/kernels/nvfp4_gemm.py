@@ -407,6 +407,8 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
+
 if not INTERP:
     _gemm_small = triton.autotune(configs=_configs(True),
                                   key=["M_BUCKET", "N", "K", "K2", "SEG2", "SPLIT_K", "BN", "BM", "DECODE", "PROMOTE_K"],
@@ -542,13 +544,24 @@ def launch_nvfp4_gemm(a, w_codes, w_scales, w_sdec, out, *, bias=None, a2=None, 
         split = max(1, min(8, _pow2_floor((2 * num_sms) // tiles), _pow2_floor(max(1, k // 512))))
         ws = torch.empty(nseg * split, m, n, dtype=torch.float32, device=a.device) if split > 1 else dummy
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-        _gemm_small[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, SPLIT_K=split, PROMOTE_K=pk(PROMOTE_K_SMALL),
-                          **common)
+        tile = pinned_tile("gemm_small", M_BUCKET=m_bucket, N=n, K=k, K2=k2, SEG2=seg2, SPLIT_K=split, BN=bn, BM=bm,
+                           DECODE=dec, PROMOTE_K=pk(PROMOTE_K_SMALL))
+        kern = _gemm_small if tile is None else _nvfp4_gemm_kernel
+        kern[grid](*args, ws, m, n, k, m_bucket, BM=bm, BN=bn, SPLIT_K=split, PROMOTE_K=pk(PROMOTE_K_SMALL),
+                   **common, **(tile.kwargs() if tile is not None else {}))
     else:
         split = 1
         ws = dummy
-        grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(m, meta["BM"]), 1)  # noqa: E731
-        _gemm_large[promote][grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, PROMOTE_K=pk(PROMOTE_K_LARGE), **common)
+        tile = pinned_tile("gemm_large", M_BUCKET=m_bucket, N=n, K=k, K2=k2, SEG2=seg2, DECODE=dec,
+                           PROMOTE_K=pk(PROMOTE_K_LARGE))
+        if tile is None:
+            grid = lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(m, meta["BM"]), 1)  # noqa: E731
+            _gemm_large[promote][grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, PROMOTE_K=pk(PROMOTE_K_LARGE), **common)
+        else:
+            t = dict(tile.meta)
+            grid = (triton.cdiv(n, t["BN"]), triton.cdiv(m, t["BM"]), 1)
+            _nvfp4_gemm_kernel[grid](*args, ws, m, n, k, m_bucket, SPLIT_K=1, PROMOTE_K=pk(PROMOTE_K_LARGE), **common,
+                                     **tile.kwargs())
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

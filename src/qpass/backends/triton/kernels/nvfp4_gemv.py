@@ -276,6 +276,8 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
+
 if not INTERP:
     _KEY = ["M_BUCKET", "N", "K", "SPLIT_K", "DECODE", "X_PAIRS", "HAS_BIAS"]
     _gemv_auto = triton.autotune(configs=_configs(False), key=_KEY, do_bench=_bench)(_nvfp4_gemv_kernel)
@@ -343,6 +345,12 @@ def launch_nvfp4_gemv(a, w_codes, w_scales, w_sdec, out, *, bias=None, num_sms=1
     dummy = w_sdec
     split = split_k or (1 if INTERP else gemv_split(n, k, num_sms))
     pinned = None if (INTERP or bn is not None or bk is not None) else fixed_tile()
+    if pinned is None and not (INTERP or bn is not None or bk is not None):  # tiles.py: pinned mode, no timing
+        rule = pinned_tile("gemv" if split == 1 else "gemv_split", M_BUCKET=bm, N=n, K=k, SPLIT_K=split, DECODE=dec,
+                           X_PAIRS=x_pairs, HAS_BIAS=bias is not None)
+        if rule is not None:
+            t = dict(rule.meta)
+            pinned = (t.get("BN", SPLIT_BN), t["BK"], rule.num_warps)
     if pinned is not None:
         bn, bk, num_warps = pinned[0] if split == 1 else SPLIT_BN, pinned[1], pinned[2]
     fixed = INTERP or bn is not None or bk is not None

@@ -166,6 +166,8 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
+
 if not INTERP:
     _quant_tuned = triton.autotune(
         configs=big_configs(), key=["M_BUCKET", "K", "PER_ROW", "WRITE_CODES", "WRITE_XHAT", "SCORES", "RSTATS", "RABS", "WRITE_BX"],
@@ -211,5 +213,13 @@ def launch_nvfp4_quant(
         grid = (triton.cdiv(m, bm * row_iters), triton.cdiv(k, bk))
         _nvfp4_quant_kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
     else:
-        grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
-        _quant_tuned[grid](*args, **flags)
+        tile = pinned_tile("nvfp4_quant", M_BUCKET=args[-1], K=k, PER_ROW=per_row, WRITE_CODES=codes is not None,
+                           WRITE_XHAT=xhat is not None, SCORES=scores is not None, RSTATS=rcolmax is not None,
+                           RABS=rabs is not None)
+        if tile is None:
+            grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
+            _quant_tuned[grid](*args, **flags)
+        else:
+            t = dict(tile.meta)
+            _nvfp4_quant_kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags,
+                                                                                                 **tile.kwargs())

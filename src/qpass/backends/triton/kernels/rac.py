@@ -178,6 +178,8 @@ def _residual_gathered_kernel(
             tl.store(dense_ptr + rows64[:, None] * K + tl.maximum(idx, 0), comp, mask=dmask)
 
 
+from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
+
 if not INTERP:
     from .nvfp4_quant import _bench, big_configs
 
@@ -211,8 +213,15 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
         grid = (triton.cdiv(m, bm * row_iters), triton.cdiv(k, bk))
         _residual_masked_kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
     else:
-        grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
-        _masked_tuned[grid](*args, **flags)
+        tile = pinned_tile("rac_masked", M_BUCKET=args[-1], K=k, PER_ROW=per_row, MASK_2D=mask.dim() == 2,
+                           WRITE_CODES=codes is not None, WRITE_COMP=comp is not None)
+        if tile is None:
+            grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
+            _masked_tuned[grid](*args, **flags)
+        else:
+            t = dict(tile.meta)
+            _residual_masked_kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags,
+                                                                                                      **tile.kwargs())
 
 
 def launch_residual_gathered(
