@@ -120,6 +120,19 @@ def test_kernels_compile_for_sm90_without_spills(name, defines, tmp_path, monkey
 
 
 @pytest.mark.skipif(not runtime.available(), reason="cuda-bindings (NVRTC) not installed")
+def test_a_clean_compile_leaves_python_bytes_objects_alone(tmp_path, monkeypatch):
+    """NVRTC writes its log and cubin into the buffers it is given. A clean compile has a 1-byte log
+    ("\\0"); were that buffer ``b" " * 1``, CPython's shared one-byte ``b" "`` object would become
+    ``b"\\x00"`` for the whole process (torch.load then returned empty tensors in later tests)."""
+    monkeypatch.setenv("QPASS_CUDA_CACHE", str(tmp_path))
+    for name, variants in (("nvfp4_act", ACT_VARIANTS), ("nvfp4_mma", MMA_VARIANTS)):
+        for defines in variants:
+            runtime.compile_cubin(name, defines, "sm_90")
+            # bytes([32]) is the interpreter's cached one-byte object, the one b" " * 1 returns
+            assert bytes([32])[0] == 32, (name, defines)
+
+
+@pytest.mark.skipif(not runtime.available(), reason="cuda-bindings (NVRTC) not installed")
 def test_compile_error_names_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("QPASS_CUDA_CACHE", str(tmp_path))
     with pytest.raises(runtime.CudaKernelError, match="nvfp4_mma.cu"):

@@ -122,6 +122,9 @@ def finish_loading(layer: torch.nn.Module, prefix: str, *, persistent: bool = Fa
     """
     check_nvfp4_tensors(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data, f"{METHOD_NAME}: layer {prefix}",
                         whole_group=layer_holds_whole_group(layer))
+    from qpass.ops.linear import forget_weight
+
+    forget_weight(layer.weight, layer.weight_scale)  # a loader writing through .data bumps no version
     gs = layer.weight_scale_2.data.detach().float().reshape(-1)
     s_dec = gs[0].reshape(()).clone()
     _bind(layer, "qpass_s_dec", s_dec, persistent)

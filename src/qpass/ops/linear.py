@@ -128,6 +128,17 @@ def cached_weight(parts: tuple[torch.Tensor, ...], make: Callable[[], torch.Tens
     return val
 
 
+def forget_weight(*parts: torch.Tensor) -> None:
+    """Drop every cached decode whose key starts with the storages of ``parts`` (in order).
+
+    An engine's weight loader may write a served buffer through ``param.data`` (a view with its own
+    version counter), which :func:`cached_weight` cannot see: the serving layer calls this after each
+    load (:func:`qpass.checkpoint.linear.finish_loading`)."""
+    head = tuple(t.data_ptr() for t in parts)
+    for key in [k for k in _WHAT_CACHE if k[: len(head)] == head]:
+        del _WHAT_CACHE[key]
+
+
 @register_kernel(NVFP4_LINEAR, "reference")
 def nvfp4_linear_ref(call: NVFP4LinearCall) -> torch.Tensor:
     """Reference kernel of ``qpass::nvfp4_linear`` (``B_W`` cached per weight version, float32: exact);

@@ -192,6 +192,12 @@ def timings(shapes, ms, budget_s: float) -> list[dict]:
                     row["tinygemm_int4"] = t(lambda i: (x.clone(), *[s.clone() for s in st]), fn, n * k // 2)
                 except Exception as exc:  # noqa: BLE001
                     row["tinygemm_int4"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                if peers.gemlite_available():
+                    try:
+                        fn, st = peers.gemlite_a16w4(peers.int4_g128_quantize(w))
+                        row["gemlite_a16w4"] = t(lambda i: (x.clone(), *st), fn, n * k // 2)
+                    except Exception as exc:  # noqa: BLE001
+                        row["gemlite_a16w4"] = f"error: {type(exc).__name__}: {exc}"[:200]
             try:
                 from qpass.backends.triton.linear import w4a16_linear_triton
 

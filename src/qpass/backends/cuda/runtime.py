@@ -93,13 +93,17 @@ def compile_cubin(name: str, defines: dict[str, int], arch: str = "sm_90") -> by
             *(f"-D{k}={int(v)}".encode() for k, v in sorted(defines.items()))]
     res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     log_size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    log = b" " * log_size
+    # NVRTC writes into these buffers: they must be mutable, never ``b" " * n`` (for n == 1 that is
+    # CPython's shared one-byte object, which the write would corrupt for the whole process)
+    log = bytearray(max(log_size, 1))
     nvrtc.nvrtcGetProgramLog(prog, log)
     if int(res[0]) != 0:
-        raise CudaKernelError(f"NVRTC could not compile {name}.cu {defines} for {arch}:\n{log.decode(errors='replace')}")
+        text = bytes(log).rstrip(b"\0").decode(errors="replace")
+        raise CudaKernelError(f"NVRTC could not compile {name}.cu {defines} for {arch}:\n{text}")
     size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    buf = bytearray(size)
+    _check(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+    cubin = bytes(buf)
     nvrtc.nvrtcDestroyProgram(prog)
     try:
         disk.parent.mkdir(parents=True, exist_ok=True)
