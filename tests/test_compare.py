@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qpass.apps.grpo.plots import load_run
 from qpass.diagnostics.compare import Window, arm_of, bootstrap_diff, compare_runs, parse_metric
 
 
@@ -56,7 +57,7 @@ def test_compare_runs_and_both_collapse_verdicts(tmp_path):
     q0 = _run(tmp_path / "quads_s0", [0.2] * 40, [(0, 0.4), (10, 0.6), (20, 0.8), (30, 0.9), (40, 0.95)])
     q1 = _run(tmp_path / "quads_s1", [0.1] * 40, [(0, 0.4), (10, 0.7), (20, 0.8), (30, 0.9), (40, 0.9)])
     res = compare_runs({"naive": [naive], "quads": [q0, q1]}, [parse_metric("eval/accuracy@last:1"),
-                                                            parse_metric("gap/token/g_abs@all")], n_boot=200)
+                                                            parse_metric("gap/token/g_abs@all")], load=load_run, n_boot=200)
     acc = res["metrics"]["eval/accuracy@last:1"]
     assert acc["per_arm"]["quads"] == {"runs": 2, "per_run": [0.95, 0.9], "mean": pytest.approx(0.925)}
     d = acc["pairs"]["naive_vs_quads"]
@@ -70,12 +71,11 @@ def test_compare_runs_and_both_collapse_verdicts(tmp_path):
     assert c["accuracy_only"]["onset_step"] == 20 and c["accuracy_only"]["best_accuracy"] == 0.8
     assert res["collapse"]["quads_s0"]["accuracy_only"]["collapsed"] is False
     with pytest.raises(ValueError, match="not an arm"):
-        compare_runs({"naive": [naive]}, [parse_metric("gap/token/g_abs")], baseline="bf16")
+        compare_runs({"naive": [naive]}, [parse_metric("gap/token/g_abs")], load=load_run, baseline="bf16")
 
 
 def test_cli_compare_and_cost_plot(tmp_path, capsys):
     from qpass.apps.grpo.cli import main
-    from qpass.apps.grpo.plots import load_run
 
     a = _run(tmp_path / "naive_s0", [0.5] * 4, [(0, 0.2), (2, 0.4), (4, 0.5)], rollout_s=2.0)
     b = _run(tmp_path / "bf16_s0", [0.01] * 4, [(0, 0.2), (2, 0.6), (4, 0.7)], rollout_s=0.5)

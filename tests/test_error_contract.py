@@ -243,6 +243,23 @@ ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("grpo-plot-list-rows", "grpo-plot {C}/run_listrow --out {O}.png", ("run_listrow/metrics.jsonl:1: a row must be a JSON object",)),
     ("grpo-plot-out-proc", "grpo-plot {C}/run_badjson --out /proc/p.png", ("--out /proc/p.png: cannot create files in /proc",)),
     ("grpo-plot-smooth", "grpo-plot {C}/run_badjson --out {O}.png --smooth 0", ("--smooth",)),
+    # ---- grpo-sweep (the sweep "config" is its flags plus the qpass grpo flags after '--', all checked before a job starts)
+    ("grpo-sweep-unknown-arm", "grpo-sweep --state {O} --arms bogus status", ("--arms: unknown arm or set 'bogus'",)),
+    ("grpo-sweep-seeds", "grpo-sweep --state {O} --seeds 0,x status", ("--seeds must be a comma list of integers, got '0,x'",)),
+    ("grpo-sweep-unknown-grpo-flag", "grpo-sweep --state {O} status -- --bogus-flag 1",
+     ("job bf16_s0", "unrecognized arguments: --bogus-flag 1")),
+    ("grpo-sweep-owned-flag", "grpo-sweep --state {O} run -- --seed 3", ("--seed after '--' is set by the sweep per job",)),
+    ("grpo-sweep-bad-grpo-value", "grpo-sweep --state {O} run -- --top-p 1.5", ("job bf16_s0", "--top-p")),
+    ("grpo-sweep-no-action", "grpo-sweep --state {O}", ("the following arguments are required",)),
+    # ---- grpo-compare
+    ("grpo-compare-missing-run", "grpo-compare {C}/nothing_s0 --out {O}.json", ("nothing_s0 is not a GRPO run directory (no metrics.jsonl)",)),
+    ("grpo-compare-missing-arm-dir", "grpo-compare --arm a={C}/nothing --out {O}.json", ("arm 'a'", "nothing is not a GRPO run directory")),
+    ("grpo-compare-garbage-metrics", "grpo-compare {C}/run_garbage --out {O}.json", ("run_garbage",)),
+    ("grpo-compare-list-rows", "grpo-compare {C}/run_listrow --out {O}.json", ("run_listrow/metrics.jsonl:1: a row must be a JSON object",)),
+    ("grpo-compare-metric-window", "grpo-compare {C}/run_listrow --metric eval/accuracy@xx --out {O}.json", ("--metric", "got 'xx'")),
+    ("grpo-compare-no-complete-row", "grpo-compare {C}/run_badjson --out {O}.json", ("run_badjson/metrics.jsonl holds no complete metric row",)),
+    ("grpo-compare-out-proc", "grpo-compare {C}/run_badjson --out /proc/c.json", ("--out /proc/c.json: cannot create files in /proc",)),
+    ("grpo-compare-out-dir", "grpo-compare {C}/run_badjson --out {C}", ("--out", "is a directory")),
     # ---- study
     ("study-prompts", "study --out {O} --prompts 100000", ("--prompts 100000", "24 prompts")),
     ("study-top-p", "study --out {O} --top-p 1.5", ("--top-p 1.5", "(0, 1]")),

@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,27 +138,34 @@ def _series(run: Any, key: str) -> tuple[list[int], list[float]]:
     return [int(x) for x in xs], ys
 
 
-def compare_runs(arms: Mapping[str, Sequence[str | Path]], metrics: Sequence[tuple[str, Window]], *, block: int = 5,
-                 n_boot: int = 2000, seed: int = 0, baseline: str | None = None) -> dict[str, Any]:
+def compare_runs(arms: Mapping[str, Sequence[str | Path]], metrics: Sequence[tuple[str, Window]], *,
+                 load: Callable[[str | Path], Any], block: int = 5, n_boot: int = 2000, seed: int = 0,
+                 baseline: str | None = None) -> dict[str, Any]:
     """Every metric's per-arm value and the between-arm differences with CIs, plus both collapse verdicts per run.
 
     Args:
         arms: arm name -> run directories (its seeds).
+        load: reads one run directory into an object with ``rows`` and ``eval_rows`` (lists of dicts) and
+            ``series(key) -> (xs, ys)``: :func:`qpass.apps.grpo.plots.load_run`, passed in by the app so
+            this core module does not import the app layer.
         metrics: ``(key, window)``; ``eval/...`` keys read ``eval.jsonl``, others ``metrics.jsonl``.
         block: moving-block length for step series (eval series use 1: evals are sparse).
         baseline: compare every arm against this one only (default: every pair).
     Raises:
-        ValueError: an unknown baseline, an arm without runs. FileNotFoundError: not a run dir.
+        ValueError: an unknown baseline, an arm without runs, a run without a complete metric row.
+            FileNotFoundError: not a run dir.
     """
-    from qpass.apps.grpo.plots import load_run
     from qpass.diagnostics.collapse import accuracy_collapse_summary, collapse_summary
 
     if baseline is not None and baseline not in arms:
         raise ValueError(f"--baseline {baseline!r} is not an arm; arms: {sorted(arms)}")
-    loaded = {name: [(Path(d).name, load_run(d)) for d in dirs] for name, dirs in arms.items()}
+    loaded = {name: [(Path(d).name, load(d)) for d in dirs] for name, dirs in arms.items()}
     for name, runs in loaded.items():
         if not runs:
             raise ValueError(f"arm {name!r} has no runs")
+        for (_, run), d in zip(runs, arms[name]):
+            if not run.rows:
+                raise ValueError(f"{Path(d) / 'metrics.jsonl'} holds no complete metric row (nothing to compare)")
     out: dict[str, Any] = {"schema": "qpass.grpo_compare/1", "block": block, "n_boot": n_boot, "seed": seed,
                            "arms": {n: [r for r, _ in runs] for n, runs in loaded.items()}, "metrics": {}, "collapse": {}}
     if baseline is None:

@@ -797,18 +797,22 @@ def grpo_compare_main(argv: Sequence[str] | None = None) -> int:
         a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
         return _exit_code(exc)
+    from qpass.apps.grpo.plots import load_run
+    from qpass.atomic import check_output_file, write_atomic
     from qpass.diagnostics.compare import compare_runs, to_markdown
+    from qpass.errors import QpassError
     from qpass.jsonio import write_json
-    from qpass.atomic import write_atomic
 
     try:
+        check_output_file(a.out, "--out")
+        check_output_file(a.out.with_suffix(".md"), "--out (its .md)")
         arms, metrics = compare_arms_from_args(a)
-        res = compare_runs(arms, metrics, block=a.block, n_boot=a.boot, seed=a.seed, baseline=a.baseline)
+        res = compare_runs(arms, metrics, load=load_run, block=a.block, n_boot=a.boot, seed=a.seed, baseline=a.baseline)
     except CliError as exc:
         ap.print_usage(sys.stderr)
         print(f"qpass grpo-compare: error: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as exc:  # a run file that does not parse
+    except (ValueError, FileNotFoundError, QpassError) as exc:  # a run file that does not parse, an unwritable --out
         print(f"qpass grpo-compare: error: {exc}", file=sys.stderr)
         return 2
     write_json(a.out, res)
@@ -819,12 +823,11 @@ def grpo_compare_main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``grpo ...``, ``grpo-plot ...``, ``grpo-compare ...`` or ``grpo-sweep ...``; returns the exit status
-    (2 for an unknown subcommand)."""
+    """``grpo ...``, ``grpo-plot ...`` or ``grpo-compare ...``; returns the exit status (2 for an unknown
+    subcommand). ``qpass grpo-sweep`` is dispatched by the ``qpass`` tree (:mod:`qpass.apps.cli`) only:
+    the sweep imports this module's parser, so naming it here would be an import cycle."""
     args = list(sys.argv[1:] if argv is None else argv)
-    from qpass.apps.grpo.sweep import sweep_main
-
-    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main, "grpo-compare": grpo_compare_main, "grpo-sweep": sweep_main}
+    commands = {"grpo": grpo_main, "grpo-plot": grpo_plot_main, "grpo-compare": grpo_compare_main}
     if not args or args[0] not in commands:
         print(f"usage: qpass {{{','.join(commands)}}} ...  (got {args[0]!r})" if args else
               f"usage: qpass {{{','.join(commands)}}} ...", file=sys.stderr)

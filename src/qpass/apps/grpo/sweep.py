@@ -172,7 +172,8 @@ def build_sweep_parser(prog: str = "qpass grpo-sweep") -> argparse.ArgumentParse
                                  "checkpoint/resume and a wall-clock budget; everything to fetch under one directory.")
     ap.add_argument("action", choices=["run", "start", "status", "collect"])
     ap.add_argument("--state", required=True, type=Path, help="state directory: runs, checkpoints, logs (kept between calls)")
-    ap.add_argument("--out", type=Path, default=None, help="fetch directory (<= 8 files, each <= 16 MiB); run: written at the end")
+    ap.add_argument("--out", type=Path, default=None, help="fetch directory (<= 8 files, each <= 16 MiB); run: written at the end; collect: needed "
+                    "(default: none, nothing collected)")
     ap.add_argument("--arms", default="c5", help=f"comma list of arms {sorted(ARMS)} or sets {sorted(ARM_SETS)} (default c5)")
     ap.add_argument("--seeds", default="0", help="comma list of seeds (default 0)")
     ap.add_argument("--steps", type=pos_int, default=150, help="GRPO steps per job (the run's total; default 150)")
@@ -495,7 +496,7 @@ def _split(path: Path) -> list[Path]:
 
 def _collect(plan: _Plan, out: Path, *, force: bool) -> list[Path]:
     """Write the fetch directory (see the module docstring); returns its files."""
-    from qpass.apps.grpo.plots import plot_runs
+    from qpass.apps.grpo.plots import load_run, plot_runs
     from qpass.atomic import atomic_dir, write_atomic
     from qpass.diagnostics.compare import compare_runs, parse_metric, to_markdown
     from qpass.jsonio import write_json
@@ -519,7 +520,7 @@ def _collect(plan: _Plan, out: Path, *, force: bool) -> list[Path]:
                     arms.setdefault(r["arm"], []).append(state / "runs" / r["job"])
             from qpass.apps.grpo.cli import DEFAULT_COMPARE_METRICS
 
-            res = compare_runs(arms, [parse_metric(m) for m in DEFAULT_COMPARE_METRICS], n_boot=1000)
+            res = compare_runs(arms, [parse_metric(m) for m in DEFAULT_COMPARE_METRICS], load=load_run, n_boot=1000)
             write_json(tmp / "compare.json", res)
             write_atomic(tmp / "compare.md", to_markdown(res))
             plot_runs(have, tmp / "cost.png", preset="cost", title="held-out accuracy vs cumulative rollout seconds")
