@@ -3,6 +3,7 @@ GEMM that is off by one part in 1e4 is reported as a failure (the check can fail
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import qpass.backends.triton as qt
@@ -54,3 +55,15 @@ def test_only_selects_checks_by_any_of_several_substrings():
         rep.run(name, lambda: (True, "ok"))
     assert [c["name"] for c in rep.items] == ["FP8 block W8A8 paths", "CUDA graph capture (M=16)"]
     assert [c["name"] for c in Report(only=None).items] == []
+
+
+def test_out_naming_a_directory_exits_2_before_any_check(tmp_path, capsys):
+    """``--out`` is the report's file path; a directory there was found only after the first check ran,
+    as an IsADirectoryError traceback from the atomic write (on an H100, 2026-12-07)."""
+    from qpass.backends.triton import selfcheck
+
+    with pytest.raises(SystemExit) as e:
+        selfcheck.main(["--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} is a directory" in err and "selfcheck.json" in err

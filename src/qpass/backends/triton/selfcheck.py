@@ -27,6 +27,7 @@ import argparse
 import itertools
 import sys
 import time
+from pathlib import Path
 import traceback
 from collections.abc import Callable
 
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the random inputs (default: %(default)s)")
     ap.add_argument("--only", default=None, help="run only the checks whose name contains one of these ';'-separated substrings (e.g. GEMV, or 'FP8;CUDA graph')")
     args = ap.parse_args(argv)
+    if args.out is not None and Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a directory: give the JSON report's file path (e.g. {Path(args.out) / 'selfcheck.json'})")
     if not torch.cuda.is_available():
         print("selfcheck needs a CUDA device", file=sys.stderr)
         return 2
