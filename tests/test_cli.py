@@ -111,3 +111,22 @@ def test_recipes_json_is_strict(capsys):
     assert cli_main(["recipes", "--json", "-v"]) == 0
     rows = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
     assert {"bf16", "quads_nvfp4"} <= {r["name"] for r in rows}
+
+
+def test_every_kernels_flag_offers_the_same_backends():
+    """apply, check, grpo, grpo-sweep and study spell ``--kernels`` from one list (cuda included)."""
+    import argparse
+
+    from qpass.kernel_select import KERNEL_CHOICES
+
+    assert KERNEL_CHOICES == ("reference", "triton", "cuda")
+    import qpass.apps.grpo.cli as g
+    import qpass.apps.grpo.sweep as sw
+    import qpass.apps.options as o
+    import qpass.apps.study.run as st
+
+    for mod in (g, sw, o, st):
+        assert mod.KERNEL_CHOICES is KERNEL_CHOICES, mod.__name__
+    ap = argparse.ArgumentParser()
+    o.add_common_args(ap)
+    assert ap.parse_args(["--kernels", "cuda"]).kernels == "cuda"

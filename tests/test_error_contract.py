@@ -186,7 +186,7 @@ ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("check-json-proc", "check quads_nvfp4 --json /proc/x.json", ("--json /proc/x.json: cannot create files in /proc",)),
     ("check-json-is-dir", "check quads_nvfp4 --json {C}", ("--json", "is a directory")),
     ("check-model-bert", "check quads_nvfp4 --model {C}/bert", ("--model", "not a causal LM")),
-    ("check-kernels", "check quads_nvfp4 --kernels cuda", ("--kernels", "invalid choice")),
+    ("check-kernels", "check quads_nvfp4 --kernels tpu", ("--kernels", "invalid choice")),
     # ---- export
     ("export-recipe-nonutf8", "export --model default --recipe {C}/nonutf8.yaml --out {O}", ("nonutf8.yaml: not UTF-8 text",)),
     ("export-recipe-ratio-yes", "export --model default --recipe {C}/ratio_yes.yaml --out {O}", ("ratio_yes.yaml:5:",)),

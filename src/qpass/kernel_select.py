@@ -22,6 +22,10 @@ def current_backend() -> str:
     return BACKEND.get()
 
 
+#: the rollout kernel backends a command's ``--kernels`` flag offers (one list for apply, check, grpo, study)
+KERNEL_CHOICES: tuple[str, ...] = ("reference", "triton", "cuda")
+
+
 def effective_backend(name: str, device: str | torch.device) -> str:
     """The kernels that will actually run for backend ``name`` on ``device``: ``triton`` off CUDA
     runs the reference ops unless ``TRITON_INTERPRET=1`` (the same rule as the dispatcher); ``cuda``

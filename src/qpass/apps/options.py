@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pydantic
 
+from qpass.kernel_select import KERNEL_CHOICES
 from qpass.errors import RecipeError
 from qpass.recipe import LogprobGapCheck, Recipe
 
@@ -68,4 +69,4 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     "a HF model dir, or a .gguf file")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the graphs run")
     add_dtype(ap)
-    ap.add_argument("--kernels", default="reference", choices=["reference", "triton"], help="rollout op implementations")
+    ap.add_argument("--kernels", default="reference", choices=KERNEL_CHOICES, help="rollout op implementations (cuda: the NVRTC tensor-core kernels; off CUDA the reference ops run)")

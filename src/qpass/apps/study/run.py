@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from qpass.kernel_select import KERNEL_CHOICES
 from qpass.apps.study import layerwise as lw
 from qpass.apps.study.configs import LEARNERS, RAC_RECIPE, ROLLOUTS, RACOverride, rac_targets, study_recipe
 from qpass.atomic import check_output_path
@@ -725,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf path (default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the graphs run")
-    p.add_argument("--kernels", default="reference", choices=("reference", "triton"), help="rollout op implementations")
+    p.add_argument("--kernels", default="reference", choices=KERNEL_CHOICES, help="rollout op implementations (cuda: the NVRTC tensor-core kernels; off CUDA the reference ops run)")
     p.add_argument("--prompts", type=pos_int, default=None, help="probe prompts (default: 24 = the whole probe set; --quick: 2)")
     p.add_argument("--max-new-tokens", type=pos_int, default=None, help="response length (default: 32; --quick: 3)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests (layer 0 quantized, k in {0,50,100}%%)")
