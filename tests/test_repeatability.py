@@ -88,7 +88,8 @@ def test_two_processes_same_seed_same_rows(tmp_path):
     assert {"naive_nvfp4", "qat_only", "quads_nvfp4", "w4a16_rollout", "w16a4_rollout"} <= set(names)
     del pipe
     recipes = ",".join(names)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    src = str(Path(__file__).resolve().parents[1] / "src")  # ahead of, not instead of, the caller's path (its site dirs)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("TRITON_INTERPRET", None)
     procs = []
     for run in ("a", "b"):
