@@ -125,8 +125,9 @@ def test_every_kernels_flag_offers_the_same_backends():
     import qpass.apps.options as o
     import qpass.apps.study.run as st
 
-    for mod in (g, sw, o, st):
-        assert mod.KERNEL_CHOICES is KERNEL_CHOICES, mod.__name__
-    ap = argparse.ArgumentParser()
-    o.add_common_args(ap)
-    assert ap.parse_args(["--kernels", "cuda"]).kernels == "cuda"
+    common = argparse.ArgumentParser()
+    o.add_common_args(common)
+    for ap in (g.build_grpo_parser(), sw.build_sweep_parser(), common, st.build_parser()):
+        (action,) = [a for a in ap._actions if "--kernels" in a.option_strings]
+        assert action.choices is KERNEL_CHOICES, ap.prog
+    assert common.parse_args(["--kernels", "cuda"]).kernels == "cuda"

@@ -159,6 +159,17 @@ def add_rollout_engine(ap: argparse.ArgumentParser | argparse._ArgumentGroup) ->
                          "exported checkpoint (needs qpass[vllm])")
 
 
+def add_kernels(ap: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "reference",
+                help: str = "rollout op implementations") -> None:
+    """``--kernels reference|triton|cuda`` (apply, check, grpo, grpo-sweep, study), from the one list
+    :data:`qpass.kernel_select.KERNEL_CHOICES`; off CUDA, ``cuda`` runs the reference ops
+    (:func:`qpass.kernel_select.effective_backend`)."""
+    from qpass.kernel_select import KERNEL_CHOICES
+
+    ap.add_argument("--kernels", default=default, choices=KERNEL_CHOICES,
+                    help=f"{help} (cuda: the NVRTC tensor-core kernels; off CUDA the reference ops run; default: %(default)s)")
+
+
 def add_dtype(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--dtype bf16|fp16|fp32``: the model dtype (default bf16)."""
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype (default: bf16)")

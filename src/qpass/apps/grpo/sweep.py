@@ -55,8 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.kernel_select import KERNEL_CHOICES
-from qpass.apps.cliutil import add_verbose, pos_float, pos_int
+from qpass.apps.cliutil import add_kernels, add_verbose, pos_float, pos_int
 
 __all__ = ["ARMS", "ARM_SETS", "Arm", "Job", "build_sweep_parser", "plan_jobs", "sweep_main"]
 
@@ -180,7 +179,7 @@ def build_sweep_parser(prog: str = "qpass grpo-sweep") -> argparse.ArgumentParse
     ap.add_argument("--steps", type=pos_int, default=150, help="GRPO steps per job (the run's total; default 150)")
     ap.add_argument("--model", default="default", help="model of the dense arms (MoE arms use moe-default)")
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    ap.add_argument("--kernels", default="triton", choices=KERNEL_CHOICES, help="rollout kernel backend of every job (default: %(default)s)")
+    add_kernels(ap, default="triton", help="rollout kernel backend of every job")
     ap.add_argument("--budget-s", type=pos_float, default=540.0, help="wall clock of this call (default 540)")
     ap.add_argument("--parallel", type=pos_int, default=None, help="most jobs at a time (default: all)")
     ap.add_argument("--threads", type=pos_int, default=None, help="CPU threads per job (default: cores / parallel)")

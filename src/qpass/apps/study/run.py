@@ -69,7 +69,6 @@ from typing import Any
 
 import torch
 
-from qpass.kernel_select import KERNEL_CHOICES
 from qpass.apps.study import layerwise as lw
 from qpass.apps.study.configs import LEARNERS, RAC_RECIPE, ROLLOUTS, RACOverride, rac_targets, study_recipe
 from qpass.atomic import check_output_path
@@ -718,7 +717,7 @@ def write_outputs(res: dict[str, Any], out: Path, *, force: bool = False, proven
 
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
+    from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_kernels, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
     from qpass.apps.runinfo import add_kernel_tiles
 
     p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
@@ -726,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf path (default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the graphs run")
-    p.add_argument("--kernels", default="reference", choices=KERNEL_CHOICES, help="rollout op implementations (cuda: the NVRTC tensor-core kernels; off CUDA the reference ops run)")
+    add_kernels(p)
     p.add_argument("--prompts", type=pos_int, default=None, help="probe prompts (default: 24 = the whole probe set; --quick: 2)")
     p.add_argument("--max-new-tokens", type=pos_int, default=None, help="response length (default: 32; --quick: 3)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests (layer 0 quantized, k in {0,50,100}%%)")
