@@ -39,8 +39,8 @@ import yaml
 
 from qpass import strict_yaml
 from qpass.errors import RecipeError
-import qpass.passes  # noqa: F401 - registers the built-in passes (the pass manager never imports them)
-from qpass.pm import Pass, get_pass
+import qpass.compiler.passes  # noqa: F401 - registers the built-in passes (the pass manager never imports them)
+from qpass.compiler.manager import Pass, get_pass
 
 TOP_KEYS = ("name", "description", "learner", "rollout", "parity")
 
@@ -284,7 +284,7 @@ def parse_recipe(text: str | bytes, path: str = "<recipe>") -> Recipe:
             raise RecipeError(f"{_loc(path, node)}: '{side}:' must be a list, got {strict_yaml.kind_of(node)}")
         for item in node.value:
             lists[side].append(_parse_check(item, path) if side == "parity" else _parse_pass(item, path, side))
-    from qpass.pm import validate_order
+    from qpass.compiler.manager import validate_order
 
     try:
         validate_order(lists["learner"], {"sites_stamped"})
@@ -298,7 +298,7 @@ def parse_recipe(text: str | bytes, path: str = "<recipe>") -> Recipe:
 def check_site_globs(recipe: Recipe, site_ids: list[str], model: str = "the model") -> None:
     """Check every pass's explicitly given ``targets`` / ``exclude`` patterns against the captured sites.
 
-    Run right after capture, before any pass (:meth:`qpass.pipeline.Pipeline.build` calls it), so a
+    Run right after capture, before any pass (:meth:`qpass.compiler.pipeline.Pipeline.build` calls it), so a
     typo fails in seconds instead of after a long build. Default patterns (``targets: ["*"]``, the
     default ``exclude`` list) are not checked.
 

@@ -23,11 +23,11 @@ from qpass.formats.spec import FP8Spec, Granularity, QuantSpec, nvfp4_act_spec_o
 from qpass.graph.qgraph import QGraph, learner_linear_targets
 from qpass.graph.records import SiteQuant
 from qpass.graph.sites import LINEAR_TARGETS
-from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant import qdq  # noqa: F401
 from qpass.tables import entry
 
-from qpass.passes.common import copy_meta, finish, selected
+from qpass.compiler.passes._common import copy_meta, finish, selected
 
 
 class ActQDQOptions(PassOptions):

@@ -8,7 +8,7 @@ import torch
 
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import LINEAR_TARGETS, Site, groups_of, select_sites
-from qpass.pm import PassOptions
+from qpass.compiler.manager import PassOptions
 
 
 def selected(qg: QGraph, opts: PassOptions, *, need_nvfp4: bool = False) -> tuple[list[Site], list[tuple[str, str]]]:

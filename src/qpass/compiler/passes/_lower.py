@@ -41,12 +41,12 @@ from qpass.graph.opargs import args_in_schema_order
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
 from qpass.errors import PassError
-from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.progress import track
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
 
-from qpass.passes.common import aten_linear_nodes, bias_arg, copy_meta, grouped, selected
+from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, grouped, selected
 
 
 def constant_name(site_id: str, name: str) -> str:

@@ -5,7 +5,7 @@
     # learner: QGraph(kind="scoring", side="learner"); rollout: QGraph(kind="step", side="rollout")
 
 Each :meth:`Pipeline.build` clones the captured base graphs (own parameters and buffers) and runs
-the recipe's learner and rollout pass lists through the :class:`qpass.pm.PassManager`, so several
+the recipe's learner and rollout pass lists through the :class:`qpass.compiler.manager.PassManager`, so several
 recipes can be built from one capture (the base graphs stay untouched and serve as the BF16
 engine-drift floor).
 """
@@ -25,8 +25,8 @@ from qpass.graph.model import LoadedModel, load_model
 from qpass.graph.qgraph import QGraph
 from qpass.moe.experts import prepare_moe
 from qpass.ops import current_backend
-from qpass.pm import PassContext, PassManager
-from qpass.recipe import Recipe, check_site_globs
+from qpass.compiler.manager import PassContext, PassManager
+from qpass.compiler.recipe import Recipe, check_site_globs
 from qpass.tables import check_kernels
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,9 @@ class Pipeline:
                 :func:`qpass.ops.current_backend`); every rollout op must have a kernel there.
         Raises:
             RecipeError: a pass's ``targets``/``exclude`` pattern matches no captured site (checked
-                before any pass runs, see :func:`qpass.recipe.check_site_globs`); see also
-                :meth:`qpass.pm.PassManager.run`.
-            PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
+                before any pass runs, see :func:`qpass.compiler.recipe.check_site_globs`); see also
+                :meth:`qpass.compiler.manager.PassManager.run`.
+            PassError (and subclasses): see :meth:`qpass.compiler.manager.PassManager.run`.
             KernelMissingError: a lowered site's op has no kernel on ``kernels`` (names the site,
                 op, spec and backend), or a static activation scale the backend's kernel lacks —
                 never a silent fallback at run time.
@@ -137,8 +137,8 @@ class Pipeline:
         Raises:
             ValueError: ``side`` is neither ``learner`` nor ``rollout``.
             RecipeError: a pass's ``targets``/``exclude`` pattern matches no captured site (checked
-                before any pass runs, see :func:`qpass.recipe.check_site_globs`).
-            PassError (and subclasses): see :meth:`qpass.pm.PassManager.run`.
+                before any pass runs, see :func:`qpass.compiler.recipe.check_site_globs`).
+            PassError (and subclasses): see :meth:`qpass.compiler.manager.PassManager.run`.
             KernelMissingError: (rollout) a lowered site's op has no kernel on ``kernels`` (default:
                 the current backend), as in :meth:`build`.
         """

@@ -5,7 +5,7 @@ A pass is a small class with:
 * ``name`` (the recipe's ``pass:`` value) registered with :func:`register_pass`;
 * ``Options``: a pydantic model (``extra='forbid'``) of its recipe keys;
 * ``sides``: where it may run (``learner`` / ``rollout``);
-* ``requires`` / ``ensures``: graph properties (:mod:`qpass.graph.properties`) that must hold
+* ``requires`` / ``ensures``: graph properties (:mod:`qpass.compiler.properties`) that must hold
   before / will hold after. The manager *checks* both on the graph (PreconditionError /
   PostconditionError) instead of trusting them;
 * ``run(qg, ctx) -> PassResult``.
@@ -32,10 +32,10 @@ import networkx as nx
 import pydantic
 
 from qpass.errors import NoMatchError, PassError, PostconditionError, PreconditionError, RecipeError
-from qpass.graph.properties import check_property
+from qpass.compiler.properties import check_property
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import DEFAULT_EXCLUDE
-from qpass.graph.verify import verify
+from qpass.compiler.verify import verify
 from qpass.jsonio import dumps
 from qpass.progress import phase
 
@@ -160,8 +160,8 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 
 def get_pass(name: str) -> type[Pass]:
-    """The pass class registered as ``name``. The built-in passes register when ``qpass.passes`` is
-    imported (``qpass.recipe`` does; the pass manager never imports its passes).
+    """The pass class registered as ``name``. The built-in passes register when ``qpass.compiler.passes`` is
+    imported (``qpass.compiler.recipe`` does; the pass manager never imports its passes).
 
     Raises:
         RecipeError: unknown name (suggests the nearest one and lists the registered passes).

@@ -36,11 +36,11 @@ import torch
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec, nvfp4_weight_spec
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
-from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant import qdq  # noqa: F401 - registers the ops
 from qpass.tables import entry
 
-from qpass.passes.common import aten_linear_nodes, bias_arg, copy_meta, finish, graph_order, grouped, selected
+from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, finish, graph_order, grouped, selected
 
 
 class WeightQDQOptions(PassOptions):

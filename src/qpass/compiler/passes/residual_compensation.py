@@ -25,10 +25,10 @@ from qpass.formats.spec import NVFP4Spec
 from qpass.ops import NVFP4_LINEAR, NVFP4LinearCall
 from qpass.graph.opargs import op_args, set_op_args
 from qpass.graph.qgraph import QGraph
-from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
 from qpass.quant.rac import RACConfig
 
-from qpass.passes.common import finish, selected
+from qpass.compiler.passes._common import finish, selected
 
 
 class RACOptions(PassOptions):

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from qpass.graph.properties import graph_property
+from qpass.compiler.properties import graph_property
 from qpass.graph.qgraph import QGraph
-from qpass.passes.common import aten_linear_nodes, bias_arg, copy_meta, finish, selected
-from qpass.pm import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, finish, selected
+from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
 
 META_KEY = "qpass_fp32_accumulate"
 _aten = torch.ops.aten
