@@ -1,0 +1,9 @@
+"""Deprecated import path, kept for one release: this name *is* :mod:`qpass.compiler.verify` (the same module
+object, so classes, registries and monkeypatching are shared). New code imports ``qpass.compiler.verify``
+(tests/test_import_map.py forbids new src uses of this path)."""
+
+import sys
+
+import qpass.compiler.verify as _target
+
+sys.modules[__name__] = _target
