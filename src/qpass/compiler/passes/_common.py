@@ -49,8 +49,3 @@ def copy_meta(src: torch.fx.Node, dst: torch.fx.Node, **extra: object) -> None:
 
 def graph_order(qg: QGraph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(qg.gm.graph.nodes)}
-
-
-def finish(qg: QGraph) -> None:
-    qg.gm.graph.lint()
-    qg.gm.recompile()

@@ -1,6 +1,7 @@
 """Generic linear lowering (rollout): ``aten.linear(x, w)`` -> the rollout op of the weight spec.
 
-One pass body for every format; what it emits comes from the spec tables (:mod:`qpass.tables`):
+Shared by the four lowering passes, each in the file of its recipe word (``w4a4_lower.py``,
+``w4a16_lower.py``, ``fp8_lower.py``, ``mxfp4_lower.py``). One pass body for every format; what it emits comes from the spec tables (:mod:`qpass.tables`):
 the ``rollout_lower`` entry of the weight spec gives the op schema, its constants and (through the
 op's typed call class, :mod:`qpass.ops.calls`) the option arguments,
 and :func:`qpass.quant.weights.quantize_site_weights` the constants (one shared amax per fused group
@@ -23,7 +24,8 @@ for specs with a global scale, SPEC §3 rule 1). The recipe passes are thin conf
   bias, site, act_granularity, w_granularity)`` (DeepSeek-style blocks by default).
 * ``mxfp4_lower``: ``qpass.mxfp4_linear(x, codes, e8m0_scales, bias, site)`` (weight-only, K % 32).
 
-The BF16 weight is dropped from the rollout graph; each site gets a :class:`qpass.graph.records.SiteQuant`
+The BF16 weight is dropped from the rollout graph (the pass declares ``Cleanup.PRUNE``: the manager
+eliminates dead code and drops the unread parameters, ``details["removed_params"]``); each site gets a :class:`qpass.graph.records.SiteQuant`
 record. ``details["flushed_blocks"]`` counts, per site, the non-zero weight blocks whose block scale
 underflowed to 0 (they decode to zero under the SPEC §3 keep-zero rule).
 """
@@ -36,12 +38,12 @@ from typing import Literal
 import pydantic
 
 from qpass import ops  # noqa: F401 - registers the rollout ops and their table entries
-from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, NVFP4ActMode, QuantSpec, nvfp4_act_spec_of, nvfp4_weight_spec
+from qpass.formats.spec import NVFP4ActMode, QuantSpec, nvfp4_act_spec_of, nvfp4_weight_spec
 from qpass.graph.opargs import args_in_schema_order
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
 from qpass.errors import PassError
-from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites
 from qpass.progress import track
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
@@ -59,21 +61,23 @@ class LinearLower(Pass):
 
     sides = ("rollout",)
     requires = ("sites_stamped",)
+    mutation = "in_place"
+    cleanup = Cleanup.PRUNE  # the manager drops the BF16 weights no node reads any more
 
     def specs(self) -> tuple[QuantSpec, QuantSpec | None]:  # pragma: no cover - abstract
         """``(weight spec, activation spec or None)`` from the options."""
         raise NotImplementedError
 
-    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
-        res = PassResult(self.name, qg.side)
+    def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
         wspec, aspec = self.specs()
         lo = entry("rollout_lower", wspec)
         op = lo.op_overload()
-        sites, res.skipped = selected(qg, self.options)
+        sites, skipped = selected(qg, self.options)
+        out = Rewrites(skipped=skipped)
         ok = []
         for s in sites:
             if s.in_features % lo.k_multiple:
-                res.skipped.append((s.id, f"in_features={s.in_features} is not a multiple of {lo.k_multiple}"))
+                out.skip(s.id, f"in_features={s.in_features} is not a multiple of {lo.k_multiple}")
             else:
                 ok.append(s)
         groups = grouped(ok) if wspec.has_global_scale else {s.id: [s] for s in ok}
@@ -84,7 +88,7 @@ class LinearLower(Pass):
             nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
             for s in members:
                 if not nodes[s.id]:
-                    res.skipped.append((s.id, "no unrewritten aten.linear node (already lowered?)"))
+                    out.skip(s.id, "no unrewritten aten.linear node (already lowered?)")
             members = [s for s in members if nodes[s.id]]
             if not members:
                 continue
@@ -117,14 +121,11 @@ class LinearLower(Pass):
                 )
                 if sw.flushed_blocks:
                     flushed[s.id] = sw.flushed_blocks
-                res.sites.append(s.id)
-        res.matches = len(res.sites)
-        res.changed = res.matches > 0
-        res.details["removed_params"] = len(qg.prune())
-        res.details["flushed_blocks"] = flushed
+                out.rewrote(s.id)
+        out.details["flushed_blocks"] = flushed
         if act_amax:
-            res.details["static_act_sites"] = len(act_amax)
-        return res
+            out.details["static_act_sites"] = len(act_amax)
+        return out
 
     def _static_amax(self, groups: dict, aspec: QuantSpec | None, ctx: PassContext) -> dict:
         """``{site: float32 0-d calibrated group amax}`` for a static activation spec (else empty).
@@ -157,61 +158,15 @@ class NVFP4LowerOptions(PassOptions):
         return self
 
 
-class W4A16LowerOptions(NVFP4LowerOptions):
-    act: NVFP4ActMode = "none"
 
 
-class _NVFP4Lower(LinearLower):
+class NVFP4Lower(LinearLower):
+    """The NVFP4 lowerings (``w4a4_lower``, ``w4a16_lower``): the weight spec from ``arithmetic``,
+    the activation spec from ``act`` / ``act_scale``."""
+
     ensures = ("nvfp4_lowered",)
 
     def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
         # act_scale: static (validated: with act: nvfp4 only) is the op's calibrated mode
         static = getattr(self.options, "act_scale", "dynamic") == "static"
         return nvfp4_weight_spec(self.options.arithmetic), nvfp4_act_spec_of("nvfp4_static" if static else self.options.act, self.name)
-
-
-@register_pass
-class W4A4Lower(_NVFP4Lower):
-    """NVFP4 weights + dynamically quantized NVFP4 activations (``act``: an NVFP4 activation mode)."""
-
-    name = "w4a4_lower"
-    Options = NVFP4LowerOptions
-
-
-@register_pass
-class W4A16Lower(_NVFP4Lower):
-    """NVFP4 weights, BF16 activations (``w4a4_lower`` with ``act: none``)."""
-
-    name = "w4a16_lower"
-    Options = W4A16LowerOptions
-
-
-class FP8LowerOptions(PassOptions):
-    act_granularity: Literal["block_1x128", "per_token", "per_tensor"] = "block_1x128"
-    weight_granularity: Literal["block_128x128", "per_tensor"] = "block_128x128"
-
-
-@register_pass
-class FP8Lower(LinearLower):
-    """Replace targeted linears by ``qpass.fp8_linear`` (W8A8 FP8 E4M3)."""
-
-    name = "fp8_lower"
-    Options = FP8LowerOptions
-    ensures = ("fp8_lowered",)
-
-    def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
-        o = self.options
-        return (FP8Spec(role="weight", granularity=Granularity(o.weight_granularity)),
-                FP8Spec(role="activation", granularity=Granularity(o.act_granularity)))
-
-
-@register_pass
-class MXFP4Lower(LinearLower):
-    """Replace targeted linears by ``qpass.mxfp4_linear`` (W4A16 MXFP4)."""
-
-    name = "mxfp4_lower"
-    Options = PassOptions
-    ensures = ("mxfp4_lowered",)
-
-    def specs(self) -> tuple[QuantSpec, QuantSpec | None]:
-        return MXFP4_WEIGHT, None

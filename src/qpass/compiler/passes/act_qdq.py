@@ -23,11 +23,11 @@ from qpass.formats.spec import FP8Spec, Granularity, QuantSpec, nvfp4_act_spec_o
 from qpass.graph.qgraph import QGraph, learner_linear_targets
 from qpass.graph.records import SiteQuant
 from qpass.graph.sites import LINEAR_TARGETS
-from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites, register_pass
 from qpass.quant import qdq  # noqa: F401
 from qpass.tables import entry
 
-from qpass.compiler.passes._common import copy_meta, finish, selected
+from qpass.compiler.passes._common import copy_meta, selected
 
 
 class ActQDQOptions(PassOptions):
@@ -59,28 +59,30 @@ class ActQDQ(Pass):
     sides = ("learner", "rollout")
     requires = ("sites_stamped",)
     ensures = ("act_qdq",)
+    mutation = "in_place"
+    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
-    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
-        res = PassResult(self.name, qg.side)
+    def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
         spec = self.options.spec()
         lq = entry("learner_qdq", spec)
         k_multiple = entry("rollout_lower", spec).k_multiple
         op = lq.overload("activation")
-        sites, res.skipped = selected(qg, self.options)
+        sites, skipped = selected(qg, self.options)
+        out = Rewrites(skipped=skipped)
         g = qg.gm.graph
         linears = (*LINEAR_TARGETS, *learner_linear_targets())
         for s in sites:
             if s.in_features % k_multiple:
-                res.skipped.append((s.id, f"in_features={s.in_features} is not a multiple of {k_multiple}"))
+                out.skip(s.id, f"in_features={s.in_features} is not a multiple of {k_multiple}")
                 continue
             nodes = [n for n in qg.nodes_of_site(s.id) if n.target in linears]  # aten, or weight_qdq's op: x is arg 0
             if not nodes:
-                res.skipped.append((s.id, "no aten.linear node (lowered to a quantized op already)"))
+                out.skip(s.id, "no aten.linear node (lowered to a quantized op already)")
                 continue
             for lin in nodes:
                 x = lin.args[0]
                 if isinstance(x, torch.fx.Node) and x.target == op:
-                    res.skipped.append((s.id, "input already quantized"))
+                    out.skip(s.id, "input already quantized")
                     continue
                 with g.inserting_before(lin):
                     xq = g.call_function(op, lq.act_args(spec, x, s.id))
@@ -89,9 +91,6 @@ class ActQDQ(Pass):
             prev = qg.quant.get(s.id)
             qg.quant[s.id] = (dataclasses.replace(prev, act_spec=spec) if prev else SiteQuant(
                 site=s.id, weight=s.weight, group=s.group, members=(s.id,), act_spec=spec, op=lq.ops["activation"]))
-            res.sites.append(s.id)
-        res.matches = len(res.sites)
-        res.changed = res.matches > 0
-        finish(qg)
-        return res
+            out.rewrote(s.id)
+        return out
 

@@ -28,8 +28,8 @@ import torch
 
 from qpass.compiler.properties import graph_property
 from qpass.graph.qgraph import QGraph
-from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, finish, selected
-from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, selected
+from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites, register_pass
 
 META_KEY = "qpass_fp32_accumulate"
 _aten = torch.ops.aten
@@ -74,15 +74,17 @@ class FP32AccumulateLinear(Pass):
     sides = ("rollout",)
     requires = ("sites_stamped",)
     ensures = ("fp32_accumulate",)
+    mutation = "in_place"
+    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
-    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
-        res = PassResult(self.name, qg.side)
-        sites, res.skipped = selected(qg, self.options)
+    def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
+        sites, skipped = selected(qg, self.options)
+        out = Rewrites(skipped=skipped)
         g = qg.gm.graph
         for s in sites:
             nodes = aten_linear_nodes(qg, s.id)
             if not nodes:
-                res.skipped.append((s.id, "no aten.linear node (lowered to a quantized op already)"))
+                out.skip(s.id, "no aten.linear node (lowered to a quantized op already)")
                 continue
             for lin in nodes:
                 x, w, b = lin.args[0], lin.args[1], bias_arg(lin)
@@ -101,8 +103,5 @@ class FP32AccumulateLinear(Pass):
                     n.meta.update({k: lin.meta[k] for k in ("qpass_site", "nn_module_stack") if k in lin.meta})
                 lin.replace_all_uses_with(y)
                 g.erase_node(lin)
-            res.sites.append(s.id)
-        res.matches = len(res.sites)
-        res.changed = res.matches > 0
-        finish(qg)
-        return res
+            out.rewrote(s.id)
+        return out

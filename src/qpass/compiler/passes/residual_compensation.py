@@ -25,10 +25,10 @@ from qpass.formats.spec import NVFP4Spec
 from qpass.ops import NVFP4_LINEAR, NVFP4LinearCall
 from qpass.graph.opargs import op_args, set_op_args
 from qpass.graph.qgraph import QGraph
-from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites, register_pass
 from qpass.quant.rac import RACConfig
 
-from qpass.compiler.passes._common import finish, selected
+from qpass.compiler.passes._common import selected
 
 
 class RACOptions(PassOptions):
@@ -50,11 +50,13 @@ class ResidualCompensation(Pass):
     sides = ("rollout",)
     requires = ("nvfp4_lowered",)
     ensures = ("rac",)
+    mutation = "in_place"
+    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
-    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
+    def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
         o = self.options
-        res = PassResult(self.name, qg.side)
-        sites, res.skipped = selected(qg, o, need_nvfp4=True)
+        sites, skipped = selected(qg, o, need_nvfp4=True)
+        out = Rewrites(skipped=skipped)
         op = NVFP4_LINEAR.overload()
         rac = RACConfig(float(o.ratio), o.mode, o.selection)
         todo: dict[str, list[torch.fx.Node]] = {}
@@ -64,12 +66,12 @@ class ResidualCompensation(Pass):
             nodes = [n for n in qg.nodes_of_site(s.id) if n.target == op]
             act = NVFP4LinearCall.decode(op_args(nodes[0]), s.id)[0] if nodes else None
             if not nodes:
-                res.skipped.append((s.id, "not lowered to qpass.nvfp4_linear"))
+                out.skip(s.id, "not lowered to qpass.nvfp4_linear")
             elif act is None or any(NVFP4LinearCall.decode(op_args(n), s.id)[0] is None for n in nodes):
-                res.skipped.append((s.id, "W4A16 site: its activations are not quantized, nothing to compensate"))
+                out.skip(s.id, "W4A16 site: its activations are not quantized, nothing to compensate")
             elif rac.num_channels(s.in_features) == 0 and not o.allow_zero_channels:
                 zero.append(s.id)
-                res.skipped.append((s.id, f"ratio {o.ratio} of in_features={s.in_features} selects 0 channels"))
+                out.skip(s.id, f"ratio {o.ratio} of in_features={s.in_features} selects 0 channels")
             else:
                 todo[s.id] = nodes
                 acts[s.id] = act
@@ -87,11 +89,8 @@ class ResidualCompensation(Pass):
             for n in nodes:
                 set_op_args(n, **NVFP4LinearCall.encode(acts[sid], rac), rac_channels=ch_node)
             qg.quant[sid] = dataclasses.replace(qg.quant[sid], rac=rac)
-            res.sites.append(sid)
-        res.matches = len(res.sites)
-        res.changed = res.matches > 0
-        finish(qg)
-        return res
+            out.rewrote(sid)
+        return out
 
     def _static_channels(self, qg: QGraph, todo: dict[str, list[torch.fx.Node]], ctx: PassContext) -> dict[str, torch.Tensor]:
         """The calibrated channels of every site in ``todo`` (int64 ``[k]``, sorted), checked.

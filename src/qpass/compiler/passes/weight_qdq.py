@@ -36,11 +36,11 @@ import torch
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec, nvfp4_weight_spec
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
-from qpass.compiler.manager import Pass, PassContext, PassOptions, PassResult, register_pass
+from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites, register_pass
 from qpass.quant import qdq  # noqa: F401 - registers the ops
 from qpass.tables import entry
 
-from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, finish, graph_order, grouped, selected
+from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, graph_order, grouped, selected
 
 
 class WeightQDQOptions(PassOptions):
@@ -74,17 +74,19 @@ class WeightQDQ(Pass):
     sides = ("learner",)
     requires = ("sites_stamped",)
     ensures = ("weight_qdq",)
+    mutation = "in_place"
+    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
-    def run(self, qg: QGraph, ctx: PassContext) -> PassResult:
-        res = PassResult(self.name, qg.side)
+    def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
         spec = self.options.spec()
         lq = entry("learner_qdq", spec)
         k_multiple = entry("rollout_lower", spec).k_multiple
-        sites, res.skipped = selected(qg, self.options)
+        sites, skipped = selected(qg, self.options)
+        out = Rewrites(skipped=skipped)
         ok = []
         for s in sites:
             if s.in_features % k_multiple:
-                res.skipped.append((s.id, f"in_features={s.in_features} is not a multiple of {k_multiple}"))
+                out.skip(s.id, f"in_features={s.in_features} is not a multiple of {k_multiple}")
             else:
                 ok.append(s)
         g = qg.gm.graph
@@ -95,7 +97,7 @@ class WeightQDQ(Pass):
             nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
             for s in members:
                 if not nodes[s.id]:
-                    res.skipped.append((s.id, "no unrewritten aten.linear node (already quantized?)"))
+                    out.skip(s.id, "no unrewritten aten.linear node (already quantized?)")
             members = [s for s in members if nodes[s.id]]
             if not members:
                 continue
@@ -118,9 +120,6 @@ class WeightQDQ(Pass):
                     site=s.id, weight=s.weight, group=gid, members=tuple(m.id for m in members), spec=spec,
                     act_spec=prev.act_spec if prev else None, op=lq.ops["linear"],
                 )
-                res.sites.append(s.id)
-        res.matches = len(res.sites)
-        res.changed = res.matches > 0
-        res.details["groups"] = len({qg.quant[s].group for s in res.sites})
-        finish(qg)
-        return res
+                out.rewrote(s.id)
+        out.details["groups"] = len({qg.quant[s].group for s in out.rewritten})
+        return out
