@@ -7,12 +7,16 @@ Both plugins subclass their engine's ``LinearMethodBase`` with the same fields a
 * :func:`register_linear_params` — the parameters of :mod:`qpass.checkpoint.params` as the
   engine's parameter classes, each loader wrapped by :func:`qpass.checkpoint.validate.checked_loader`;
 * :func:`set_layer_sizes` — the size attributes the engines' linear layers read afterwards;
-* :func:`row_parallel_rac_error` — the refusal of RAC on a row-parallel (K-split) layer.
+* :func:`row_parallel_rac_error` — the refusal of RAC on a row-parallel (K-split) layer;
+* :func:`engine_importable` / :func:`register_plugin` — the plugins' availability probe and their
+  never-raising entry-point registration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -84,4 +88,31 @@ def row_parallel_rac_error(prefix: str, input_size: int, input_size_per_partitio
     )
 
 
-__all__ = ["LinearMethodFields", "register_linear_params", "row_parallel_rac_error", "set_layer_sizes"]
+def engine_importable(module: str) -> bool:
+    """True if ``module`` (an engine's quantization base module) imports here; any failure = False."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def register_plugin(engine: str, available: Callable[[], bool], install: Callable[[], None], log: logging.Logger) -> bool:
+    """Run an engine plugin's entry point: ``install()`` if ``available()`` (idempotent, never raises).
+
+    Returns:
+        True if installed; False if the engine is not installed or ``install`` raised (logged as a
+        warning naming ``engine``: a plugin must never take the engine down at import).
+    """
+    if not available():
+        return False
+    try:
+        install()
+        return True
+    except Exception as e:  # noqa: BLE001 - a plugin must never take the engine down at import
+        log.warning("qpass: registering the %s %s quantization method failed: %r", METHOD_NAME, engine, e)
+        return False
+
+
+__all__ = ["LinearMethodFields", "engine_importable", "register_linear_params", "register_plugin", "row_parallel_rac_error",
+           "set_layer_sizes"]

@@ -41,7 +41,13 @@ from typing import Any
 import torch
 
 from qpass.checkpoint.linear import activation_for_row_parallel, begin_loading, finish_loading, served_linear
-from qpass.checkpoint.method import LinearMethodFields, register_linear_params, row_parallel_rac_error, set_layer_sizes
+from qpass.checkpoint.method import (
+    LinearMethodFields,
+    engine_importable,
+    register_linear_params,
+    row_parallel_rac_error,
+    set_layer_sizes,
+)
 from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.checkpoint.validate import check_all_loaded, init_load_record
@@ -50,11 +56,7 @@ from qpass.errors import QuantizationError
 
 def sglang_available() -> bool:
     """True if ``sglang`` (its quantization base classes) can be imported."""
-    try:
-        import sglang.srt.layers.quantization.base_config  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True
+    return engine_importable("sglang.srt.layers.quantization.base_config")
 
 
 def _linear_method_class(linear_method_base: type, param_classes: dict[str, type]) -> type:

@@ -51,7 +51,14 @@ from typing import Any
 import torch
 
 from qpass.checkpoint.linear import finish_act_only_loading, finish_loading, served_act_linear, served_linear
-from qpass.checkpoint.method import LinearMethodFields, register_linear_params, row_parallel_rac_error, set_layer_sizes
+from qpass.checkpoint.method import (
+    LinearMethodFields,
+    engine_importable,
+    register_linear_params,
+    register_plugin,
+    row_parallel_rac_error,
+    set_layer_sizes,
+)
 from qpass.checkpoint.params import act_only_param_specs, linear_param_specs, make_tensor
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.checkpoint.validate import ACT_ONLY_CHECKED, CHECKED, check_all_loaded, init_load_record
@@ -378,11 +385,7 @@ def __getattr__(name: str) -> type:
 
 def vllm_available() -> bool:
     """True if vLLM's quantization base classes import here."""
-    try:
-        import vllm.model_executor.layers.quantization.base_config  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True
+    return engine_importable("vllm.model_executor.layers.quantization.base_config")
 
 
 def register() -> bool:
@@ -391,17 +394,14 @@ def register() -> bool:
     Returns:
         True if registered, False if vLLM is not installed or registration failed (logged).
     """
-    if not vllm_available():
-        return False
-    try:
-        from vllm.model_executor.layers.quantization import register_quantization_config
+    return register_plugin("vLLM", vllm_available, _install, log)
 
-        cfg_cls, _ = plugin_classes()
-        register_quantization_config(METHOD_NAME)(cfg_cls)
-        return True
-    except Exception as e:  # noqa: BLE001 - a plugin must never take the engine down at import
-        log.warning("qpass: registering the qpass_nvfp4 vLLM quantization method failed: %r", e)
-        return False
+
+def _install() -> None:
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    cfg_cls, _ = plugin_classes()
+    register_quantization_config(METHOD_NAME)(cfg_cls)
 
 
 @functools.lru_cache(maxsize=1)

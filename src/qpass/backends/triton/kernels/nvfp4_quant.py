@@ -226,18 +226,28 @@ def launch_nvfp4_quant(
         SCORES=scores is not None, RSTATS=rcolmax is not None, RABS=rabs is not None, WRITE_BX=bx is not None,
         enable_fp_fusion=False,
     )
-    if INTERP or m <= 64:
+    launch_row_tiled(_nvfp4_quant_kernel, None if INTERP else _quant_tuned, "nvfp4_quant", args, flags, m, k,
+                     PER_ROW=per_row, WRITE_CODES=codes is not None, WRITE_XHAT=xhat is not None, SCORES=scores is not None,
+                     RSTATS=rcolmax is not None, RABS=rabs is not None)
+
+
+def launch_row_tiled(kernel, tuned, tile_name, args, flags, m, k, **tile_key):
+    """Launch a row-tiled ``[M, K]`` kernel of this family (``BM``/``BK``/``ROW_ITERS``/``STAGES``
+    meta-parameters, grid ``(cdiv(M, BM*ROW_ITERS), cdiv(K, BK))``, ``args[-1]`` = ``M_BUCKET``).
+
+    ``tuned``: the autotuned wrapper of ``kernel``, None under the interpreter. Without it or for
+    ``m <= 64``: :func:`pick_tile`. Otherwise the pinned tile of ``tile_name`` for ``tile_key``
+    (:func:`qpass.backends.triton.tiles.pinned_tile`) if there is one, else ``tuned``.
+    """
+    if tuned is None or m <= 64:
         bm, bk, row_iters, nw = pick_tile(m, k)
         grid = (triton.cdiv(m, bm * row_iters), triton.cdiv(k, bk))
-        _nvfp4_quant_kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
+        kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
+        return
+    tile = pinned_tile(tile_name, M_BUCKET=args[-1], K=k, **tile_key)
+    if tile is None:
+        grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
+        tuned[grid](*args, **flags)
     else:
-        tile = pinned_tile("nvfp4_quant", M_BUCKET=args[-1], K=k, PER_ROW=per_row, WRITE_CODES=codes is not None,
-                           WRITE_XHAT=xhat is not None, SCORES=scores is not None, RSTATS=rcolmax is not None,
-                           RABS=rabs is not None)
-        if tile is None:
-            grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
-            _quant_tuned[grid](*args, **flags)
-        else:
-            t = dict(tile.meta)
-            _nvfp4_quant_kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags,
-                                                                                                 **tile.kwargs())
+        t = dict(tile.meta)
+        kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags, **tile.kwargs())

@@ -29,7 +29,7 @@ from .common import (
     to_bf16,
     ub,
 )
-from .nvfp4_quant import load_global, nvfp4_quant_tile, store_codes_scales, store_global
+from .nvfp4_quant import launch_row_tiled, load_global, nvfp4_quant_tile, store_codes_scales, store_global
 
 
 @triton.jit
@@ -152,8 +152,6 @@ def _residual_gathered_kernel(
             tl.store(dense_ptr + rows64[:, None] * K + tl.maximum(idx, 0), comp, mask=dmask)
 
 
-from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
-
 if not INTERP:
     from .nvfp4_quant import _bench, big_configs
 
@@ -167,8 +165,6 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
     """Masked-mode residual quantization over ``x [M, K]``; ``mask`` int8 ``[K]`` or ``[M, K]``;
     ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``); ``operand``: ``comp`` is the
     GEMM operand ``B_R`` (``e2m1 * s_b``, SPEC §3.1) instead of the dequantized ``DQ(Q_R(R))``."""
-    from .nvfp4_quant import pick_tile
-
     m, k = x.shape
     dummy = amax_x
     args = (
@@ -182,20 +178,8 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
         PER_ROW=per_row, MASK_2D=mask.dim() == 2, WRITE_CODES=codes is not None, WRITE_COMP=comp is not None,
         WRITE_GLOBAL=s_enc is not None, OPERAND=operand, enable_fp_fusion=False,
     )
-    if INTERP or m <= 64:
-        bm, bk, row_iters, nw = pick_tile(m, k)
-        grid = (triton.cdiv(m, bm * row_iters), triton.cdiv(k, bk))
-        _residual_masked_kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
-    else:
-        tile = pinned_tile("rac_masked", M_BUCKET=args[-1], K=k, PER_ROW=per_row, MASK_2D=mask.dim() == 2,
-                           WRITE_CODES=codes is not None, WRITE_COMP=comp is not None)
-        if tile is None:
-            grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
-            _masked_tuned[grid](*args, **flags)
-        else:
-            t = dict(tile.meta)
-            _residual_masked_kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags,
-                                                                                                      **tile.kwargs())
+    launch_row_tiled(_residual_masked_kernel, None if INTERP else _masked_tuned, "rac_masked", args, flags, m, k,
+                     PER_ROW=per_row, MASK_2D=mask.dim() == 2, WRITE_CODES=codes is not None, WRITE_COMP=comp is not None)
 
 
 def launch_residual_gathered(
