@@ -72,17 +72,18 @@ def load_global(amax_ptr, rows, rmask, BM: tl.constexpr, PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, c0, KW, BM: tl.constexpr, BK: tl.constexpr):
-    """Store one quantized tile: columns ``[c0, c0 + BK)`` of a row-major ``[M, KW]`` NVFP4 tensor.
+def store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, b0, s0, KW, BM: tl.constexpr, BK: tl.constexpr):
+    """Store one quantized tile, columns ``[c0, c0 + BK)`` of a row-major ``[M, KW]`` NVFP4 tensor,
+    given as its first code byte ``b0 = c0 / 2`` and first scale ``s0 = c0 / 16``.
 
     ``codes`` int32 ``[BM, BK]`` (packed two per byte into ``codes_ptr``, uint8 ``[M, KW/2]``, low
     nibble = even column), ``s_b`` float32 ``[BM, BK/16]`` (E4M3 bytes into ``scales_ptr``, uint8
     ``[M, KW/16]``); rows outside ``rmask`` and bytes beyond ``KW`` are not written.
     """
-    bcols = c0 // 2 + tl.arange(0, BK // 2)
+    bcols = b0 + tl.arange(0, BK // 2)
     tl.store(codes_ptr + rows64[:, None] * (KW // 2) + bcols[None, :], pack_nibbles(codes, BM, BK),
              mask=rmask[:, None] & (bcols[None, :] < KW // 2))
-    scols = c0 // 16 + tl.arange(0, BK // 16)
+    scols = s0 + tl.arange(0, BK // 16)
     tl.store(scales_ptr + rows64[:, None] * (KW // 16) + scols[None, :], e4m3_byte(s_b).to(tl.uint8),
              mask=rmask[:, None] & (scols[None, :] < KW // 16))
 
@@ -135,7 +136,7 @@ def _nvfp4_quant_kernel(
         codes, s_b, xh, bx = nvfp4_quant_tile(x, s_dec, mult, BM, BK)
 
         if WRITE_CODES:
-            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, pid_k * BK, K, BM, BK)
+            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, pid_k * (BK // 2), pid_k * (BK // 16), K, BM, BK)
         if WRITE_GLOBAL:
             store_global(senc_ptr, sdec_ptr, tl.reshape(s_enc, (BM,)), tl.reshape(s_dec, (BM,)), rows, rmask,
                          pid_k == 0, (pid_m == 0) & (pid_k == 0) & (it == 0), PER_ROW)

@@ -59,7 +59,7 @@ def _residual_masked_kernel(
         if OPERAND:  # B_R (SPEC §3.1: S_dec_R goes to the compensation GEMM's alpha_R)
             rh = rb
         if WRITE_CODES:
-            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, pid_k * BK, K, BM, BK)
+            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, pid_k * (BK // 2), pid_k * (BK // 16), K, BM, BK)
         if WRITE_GLOBAL:
             store_global(senc_ptr, sdec_ptr, tl.reshape(rs_enc, (BM,)), tl.reshape(rs_dec, (BM,)), rows, rmask,
                          pid_k == 0, (pid_m == 0) & (pid_k == 0) & (it == 0), PER_ROW)
@@ -131,8 +131,8 @@ def _residual_gathered_kernel(
         k_start = pid_k * BKG
         k_stop = k_start + BKG
     s_enc, s_dec, mult = nvfp4_global(amax_g)
-    if WRITE_GLOBAL:  # per row: the grid has one column of programs (pid_k == 0)
-        store_global(senc_ptr, sdec_ptr, s_enc, s_dec, rows, rmask, pid_k == 0, (pid_m == 0) & (pid_k == 0), PER_ROW)
+    if WRITE_GLOBAL:  # per row: the grid has one column of programs, each writes its rows
+        store_global(senc_ptr, sdec_ptr, s_enc, s_dec, rows, rmask, True, (pid_m == 0) & (pid_k == 0), PER_ROW)
     for k0 in range(ub(k_start), ub(k_stop), BKG):
         t = k0 + tl.arange(0, BKG)
         tmask = t < KP
@@ -143,7 +143,7 @@ def _residual_gathered_kernel(
             gh = gb
         omask = rmask[:, None] & tmask[None, :]
         if WRITE_CODES:
-            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, k0, KP, BM, BKG)
+            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, k0 // 2, k0 // 16, KP, BM, BKG)
         comp = to_bf16(gh)
         if WRITE_COMP:
             tl.store(comp_ptr + rows64[:, None] * KP + t[None, :], comp, mask=omask)
