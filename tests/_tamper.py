@@ -11,6 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 RAC_SITE = "model.layers.0.mlp.gate_proj"  # quads_nvfp4: RAC ratio 0.5 on every gate/up input
@@ -29,6 +30,14 @@ def flip_rollout_code(d: Path, site: str = "model.layers.1.mlp.up_proj") -> None
     path = d / "rollout" / "weights.safetensors"
     t = load_file(str(path))
     t[f"{site}.weight"][0, 0] ^= 0x01
+    save_file(t, str(path), metadata={"format": "qpass-rollout"})
+
+
+def flip_rollout_scale_bit(d: Path, site: str, pos: tuple[int, int]) -> None:
+    """Flip the lowest bit of the E4M3 block-scale byte at ``pos`` of ``site`` in ``rollout/weights.safetensors``."""
+    path = d / "rollout" / "weights.safetensors"
+    t = load_file(str(path))
+    t[f"{site}.weight_scale"].view(torch.uint8)[pos] ^= 0x01
     save_file(t, str(path), metadata={"format": "qpass-rollout"})
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import shutil
 import warnings
 from pathlib import Path
@@ -204,6 +205,21 @@ def copy_apply_output(src: Path, dst: Path, *, learner: bool = True) -> Path:
             except OSError:
                 shutil.copy(f, dst / "learner" / f.name)
     return dst
+
+
+def check_plugin_without_engine(monkeypatch, engine: str, available, register, plugin_classes) -> None:
+    """With every module of ``engine`` (``"vllm"``, ``"sglang"``) hidden, the plugin's ``available()`` and
+    ``register()`` are False and ``plugin_classes()`` raises ImportError (its cache cleared before and after)."""
+    for name in [m for m in sys.modules if m == engine or m.startswith(f"{engine}.")] + [engine]:
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import <engine>...` raise ImportError
+    plugin_classes.cache_clear()
+    try:
+        assert available() is False
+        assert register() is False
+        with pytest.raises(ImportError):
+            plugin_classes()
+    finally:
+        plugin_classes.cache_clear()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from qpass.apps.apply import ApplyOptions, run_apply, run_check
 from qpass.apps.cli import main as cli_main
 from qpass.errors import QpassError
+from tests._tamper import flip_rollout_scale_bit
 from tests.test_grpo import FakeTok
 
 SITE = "model.layers.1.mlp.up_proj"
@@ -105,11 +106,7 @@ def test_planted_block_scale_bit_is_named_by_site_group_and_position(applied, ti
     """Was the second half of the real-model test in test_main_job (same code path: a rebuild with
     ``checksums=False`` names the fused group, the site and the first differing element)."""
     d = _copy(applied[2], tmp_path)
-    path = d / "rollout" / "weights.safetensors"
-    tensors = load_file(str(path))
-    raw = tensors[f"{SITE}.weight_scale"].view(torch.uint8)
-    raw[100, 3] ^= 0x01
-    save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
+    flip_rollout_scale_bit(d, SITE, (100, 3))
     status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe)
     assert status == 1 and res["checksums_ok"] is False
     status, res = run_check(str(d), ApplyOptions(), pipeline=tiny_pipe, checksums=False)

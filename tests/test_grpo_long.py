@@ -21,15 +21,7 @@ from qpass.diagnostics.collapse import collapse_summary, detect_collapse
 from qpass.errors import QpassError
 from qpass.rl.loss import Correction, LossConfig
 from qpass.runtime.cuda_graph import DecodeGraph
-from tests.test_grpo import bf16_shadow, tiny_cfg, tiny_cli, tiny_trainer  # noqa: F401 - tiny_cli is a fixture
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.test_grpo import _one_thread, bf16_shadow, tiny_cfg, tiny_cli, tiny_trainer  # noqa: F401 - fixtures: _one_thread (autouse, 1 torch thread), tiny_cli
 
 
 # --------------------------------------------------------------------------- BF16 shadow, disagreement

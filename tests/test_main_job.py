@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qpass.apps.apply import ApplyOptions, run_apply, run_check
 from qpass.apps.cli import main as cli_main
 from qpass.errors import CaptureError
 
+from ._tamper import flip_rollout_scale_bit
 from .conftest import copy_apply_output
 
 SITE = "model.layers.7.mlp.up_proj"
@@ -76,11 +77,7 @@ def test_check_passes_then_a_planted_scale_bit_fails_the_checksum(quads_apply_di
     assert status == 0 and res["weights_bitexact"] is True and res["loaded"]["rollout_tensors"] == 4 * 210
     assert res["compared"]["rollout_tensors"] == 4 * 210 and res["checksums_ok"] is True
     d = copy_apply_output(out, tmp_path / "copy")  # the session's apply output stays untouched
-    path = d / "rollout" / "weights.safetensors"
-    tensors = load_file(str(path))
-    raw = tensors[f"{SITE}.weight_scale"].view(torch.uint8)
-    raw[100, 7] ^= 0x01
-    save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
+    flip_rollout_scale_bit(d, SITE, (100, 7))
     status, res = run_check(str(d), ApplyOptions(), pipeline=default_pipeline)
     assert status == 1 and res["checksums_ok"] is False  # found by the sha256 in report.json, before any rebuild
     assert res["failures"] == ["rollout/weights.safetensors: sha256 differs from report.json (the file changed after qpass apply wrote it)"]

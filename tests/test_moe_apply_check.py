@@ -11,10 +11,10 @@ import json
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qpass.apps.apply import ApplyOptions, run_apply, run_check
+from tests._tamper import flip_rollout_scale_bit
 from tests.test_grpo import FakeTok
 from tests.test_moe import E, tiny_moe
 
@@ -83,11 +83,7 @@ def test_moe_check_reverifies_every_expert_tensor(moe_applied, moe_pipe):
 def test_moe_check_names_the_expert_group_of_a_planted_scale_bit(moe_applied, moe_pipe, tmp_path):
     d = tmp_path / "copy"
     shutil.copytree(moe_applied[2], d)
-    path = d / "rollout" / "weights.safetensors"
-    tensors = load_file(str(path))
-    raw = tensors[f"{SITE}.weight_scale"].view(torch.uint8)
-    raw[3, 1] ^= 0x01
-    save_file(tensors, str(path), metadata={"format": "qpass-rollout"})
+    flip_rollout_scale_bit(d, SITE, (3, 1))
     status, res = run_check(str(d), ApplyOptions(), pipeline=moe_pipe)
     assert status == 1 and res["checksums_ok"] is False
     status, res = run_check(str(d), ApplyOptions(), pipeline=moe_pipe, checksums=False)

@@ -134,17 +134,23 @@ def test_weight_qdq_backward_is_straight_through(tiny_pipeline):
     assert torch.equal(w.grad, ref.model.layers[0].mlp.down_proj.weight.grad)
 
 
-@pytest.mark.parametrize("recipe", ["naive_nvfp4", "w4a16_qat", "quads_nvfp4"])
-def test_nvfp4_lowered_nodes_compute_reference_semantics(tiny_pipeline, recipe):
+def _lowered_calls(tiny_pipeline, recipe: str, op) -> tuple:
+    """Build ``recipe`` on the tiny model, run one prefill (batch 4) and return ``(rollout, seen)``:
+    ``(node, args, out)`` of every ``op`` node, checked to be the 14 linear sites."""
     _, rollout = tiny_pipeline.build(load_recipe(recipe))
-    op = torch.ops.qpass.nvfp4_linear.default
     rec = _NodeIO(rollout.gm, {op})
     ids, am = _ids(b=4)
     with torch.no_grad():
         rec.run(*_prefill(rollout, ids, am))
     assert len(rec.seen) == 14
+    return rollout, rec.seen
+
+
+@pytest.mark.parametrize("recipe", ["naive_nvfp4", "w4a16_qat", "quads_nvfp4"])
+def test_nvfp4_lowered_nodes_compute_reference_semantics(tiny_pipeline, recipe):
+    rollout, seen = _lowered_calls(tiny_pipeline, recipe, torch.ops.qpass.nvfp4_linear.default)
     base = tiny_pipeline.base_step
-    for node, args, out in rec.seen:
+    for node, args, out in seen:
         sid = args[5]
         assert torch.equal(out, nvfp4_linear_ref(NVFP4_LINEAR.make_call(*args)))  # the node computes the reference op on its real input
         members = rollout.quant[sid].members
@@ -152,26 +158,20 @@ def test_nvfp4_lowered_nodes_compute_reference_semantics(tiny_pipeline, recipe):
         q = nvfp4_quantize(base.attr(base.sites[sid].weight), amax)
         assert torch.equal(args[1], q.codes) and torch.equal(args[2].view(torch.uint8), q.scales.view(torch.uint8))
         assert torch.equal(args[3], q.s_dec)
-    kinds = {(a[6], a[7] > 0) for _, a, _ in rec.seen}
+    kinds = {(a[6], a[7] > 0) for _, a, _ in seen}
     expect = {"naive_nvfp4": {("nvfp4", False)}, "w4a16_qat": {("none", False)}, "quads_nvfp4": {("nvfp4", False), ("nvfp4", True)}}
     assert kinds == expect[recipe]
     # fused q/k/v share one global scale: identical S_dec bits
-    sdec = {a[5]: a[3] for _, a, _ in rec.seen}
+    sdec = {a[5]: a[3] for _, a, _ in seen}
     assert torch.equal(sdec["model.layers.0.self_attn.q_proj"], sdec["model.layers.0.self_attn.v_proj"])
 
 
 def test_fp8_lower_nodes_compute_reference(tiny_pipeline):
-    _, rollout = tiny_pipeline.build(load_recipe("fp8_block"))
-    op = torch.ops.qpass.fp8_linear.default
-    rec = _NodeIO(rollout.gm, {op})
-    ids, am = _ids(b=4)
-    with torch.no_grad():
-        rec.run(*_prefill(rollout, ids, am))
-    assert len(rec.seen) == 14
+    _, seen = _lowered_calls(tiny_pipeline, "fp8_block", torch.ops.qpass.fp8_linear.default)
     from qpass.formats.spec import FP8Spec, Granularity
     from qpass.quant.fp8 import FP8Tensor
 
-    for _, a, out in rec.seen:
+    for _, a, out in seen:
         w = FP8Tensor(a[1], a[2], a[1].shape, torch.bfloat16, FP8Spec(role="weight", granularity=Granularity.BLOCK_128X128))
         call = FP8LinearCall(x=a[0], weight=w, bias=a[3], act=FP8Spec(role="activation", granularity=Granularity.BLOCK_1X128),
                              site=a[4], out_dtype=a[0].dtype)

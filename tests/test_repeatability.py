@@ -12,15 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_grpo import tiny_cfg, tiny_trainer
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.test_grpo import _one_thread, tiny_cfg, tiny_trainer  # noqa: F401 - _one_thread: autouse, 1 torch thread
 
 
 def _strip(rows):

@@ -5,7 +5,6 @@ SGLang is not installed."""
 
 from __future__ import annotations
 
-import sys
 import tomllib
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from qpass.checkpoint.tensors import checkpoint_tensors
 from qpass.errors import QpassError, QuantizationError
 from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.rac import RACConfig
+
+from .conftest import check_plugin_without_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,16 +34,7 @@ MODELOPT_FP4_TABLE = {
 
 # ------------------------------------------------------------------------------------- registration
 def test_import_and_register_are_safe_without_sglang(monkeypatch):
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")] + ["sglang"]:
-        monkeypatch.setitem(sys.modules, name, None)  # makes `import sglang...` raise ImportError
-    qsgl.plugin_classes.cache_clear()
-    try:
-        assert qsgl.sglang_available() is False
-        assert qsgl.register() is False
-        with pytest.raises(ImportError):
-            qsgl.plugin_classes()
-    finally:
-        qsgl.plugin_classes.cache_clear()
+    check_plugin_without_engine(monkeypatch, "sglang", qsgl.sglang_available, qsgl.register, qsgl.plugin_classes)
 
 
 def test_entry_point_is_declared():

@@ -23,14 +23,7 @@ import torch
 from qpass.runtime import TorchRollout
 from qpass.errors import QpassError
 from qpass.prompts import encode_chat, probe_prompts
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+from tests.test_grpo import _one_thread  # noqa: F401 - autouse: 1 torch thread
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,7 @@ import torch
 from qpass.recipe import load_recipe
 from qpass.runtime.engine import as_learner_engine
 from qpass.runtime.hf_engine import HFLearnerEngine
-from tests.test_grpo import FakeTok
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.test_grpo import FakeTok, _one_thread  # noqa: F401 - _one_thread: autouse, 1 torch thread
 
 
 def _batch():

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from _vllm_testutil import save_qpass, tiny_llama_vllm  # noqa: E402
 
+from .conftest import check_plugin_without_engine  # noqa: E402
+
 
 def _layer(n: int = 48, k: int = 64, shards: int = 1, seed: int = 0) -> torch.nn.Module:
     """A module holding what vLLM's loaders leave on a qpass_nvfp4 layer (``shards`` copies of one S_dec)."""
@@ -222,17 +224,9 @@ def test_truncated_shard_is_refused_naming_the_file(tiny_ckpt, tmp_path):
 
 # ------------------------------------------------------------------------------------- registration
 def test_register_is_safe_without_vllm(monkeypatch):
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")] + ["vllm"]:
-        monkeypatch.setitem(sys.modules, name, None)
     from qpass.backends.vllm import plugin
 
-    plugin.plugin_classes.cache_clear()
-    try:
-        assert qvllm.vllm_available() is False and qvllm.register() is False
-        with pytest.raises(ImportError):
-            plugin.plugin_classes()
-    finally:
-        plugin.plugin_classes.cache_clear()
+    check_plugin_without_engine(monkeypatch, "vllm", qvllm.vllm_available, qvllm.register, plugin.plugin_classes)
 
 
 def test_entry_point_and_engine_registration():

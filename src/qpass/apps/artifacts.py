@@ -175,11 +175,7 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
             if key not in data:
                 missing.append(key)
                 continue
-            buf = rollout.gm.get_buffer(c[cname])
-            t = data[key]
-            if t.shape != buf.shape or t.dtype != buf.dtype:
-                raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the graph expects {buf.dtype}{tuple(buf.shape)}")
-            buf.copy_(t)
+            _copy_checked(path, key, data[key], rollout.gm.get_buffer(c[cname]), "graph")
             used.add(key)
             n += 1
         for arg, name in CALIBRATED_ARGS.items():
@@ -194,12 +190,33 @@ def load_rollout_into(rollout: QGraph, path: Path) -> int:
                     rollout.gm.get_buffer(str(op_args(node)[arg].target)).copy_(data[key])
             used.add(key)
             n += 1
-    if missing:
-        raise QpassError(f"{path}: missing {len(missing)} tensor(s) the rollout graph needs: {_names(missing)}")
-    extra = sorted(set(data) - used)
-    if extra:
-        raise QpassError(f"{path}: {len(extra)} tensor(s) the rollout graph has no constant for: {_names(extra)}")
+    _refuse_missing_or_extra(path, missing, sorted(set(data) - used), "tensor(s) the rollout graph needs",
+                             "tensor(s) the rollout graph has no constant for")
     return n
+
+
+def _copy_checked(path: Path, key: str, t: torch.Tensor, dst: torch.Tensor, what: str) -> None:
+    """``dst.copy_(t)`` for the file tensor ``key``, refused unless shape and dtype match exactly.
+
+    Raises:
+        QpassError: ``"{path}: {key} has <dtype><shape>, the {what} expects <dtype><shape>"``.
+    """
+    if t.shape != dst.shape or t.dtype != dst.dtype:
+        raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the {what} expects {dst.dtype}{tuple(dst.shape)}")
+    dst.copy_(t)
+
+
+def _refuse_missing_or_extra(path: Path, missing: list[str], extra: list[str], missing_what: str, extra_what: str) -> None:
+    """A saved tensor file must match its target exactly.
+
+    Raises:
+        QpassError: ``missing`` keys the target needs (``"{path}: missing N {missing_what}: names"``),
+            else ``extra`` keys it has no place for (``"{path}: N {extra_what}: names"``).
+    """
+    if missing:
+        raise QpassError(f"{path}: missing {len(missing)} {missing_what}: {_names(missing)}")
+    if extra:
+        raise QpassError(f"{path}: {len(extra)} {extra_what}: {_names(extra)}")
 
 
 def _names(keys: list[str], limit: int = 5) -> str:
@@ -263,14 +280,22 @@ def verify_checksums(root: Path, sums: dict[str, str]) -> list[str]:
 
     Returns one problem per missing or changed file (no model needed: seconds even for the learner state).
     """
-    problems = []
+    return [f"{rel}: listed in report.json but missing" if gone
+            else f"{rel}: sha256 differs from report.json (the file changed after qpass apply wrote it)"
+            for rel, _, gone in changed_files(Path(root), sums)]
+
+
+def changed_files(root: Path, sums: dict[str, str]) -> list[tuple[str, Path, bool]]:
+    """The files under ``root`` that no longer match their recorded sha256 (``sums``: relative path ->
+    hex digest), in path order, as ``(relative path, path, missing)``; ``missing`` False = changed."""
+    out = []
     for rel, want in sorted(sums.items()):
-        p = Path(root) / rel
+        p = root / rel
         if not p.is_file():
-            problems.append(f"{rel}: listed in report.json but missing")
+            out.append((rel, p, True))
         elif sha256_file(p) != want:
-            problems.append(f"{rel}: sha256 differs from report.json (the file changed after qpass apply wrote it)")
-    return problems
+            out.append((rel, p, False))
+    return out
 
 
 def save_learner(learner: QGraph, path: Path) -> int:
@@ -312,15 +337,9 @@ def load_learner_into(learner: QGraph, path: Path) -> int:
                 if p.data_ptr() not in saved_ptrs:
                     missing.append(key)
                 continue
-            t = data[key]
-            if t.shape != p.shape or t.dtype != p.dtype:
-                raise QpassError(f"{path}: {key} has {t.dtype}{tuple(t.shape)}, the learner expects {p.dtype}{tuple(p.shape)}")
-            p.copy_(t)
+            _copy_checked(path, key, data[key], p, "learner")
             used.add(key)
             n += 1
-    if missing:
-        raise QpassError(f"{path}: missing {len(set(missing))} learner parameter(s): {_names(sorted(set(missing)))}")
-    extra = sorted(set(data) - used)
-    if extra:
-        raise QpassError(f"{path}: {len(extra)} tensor(s) that are no learner parameter: {_names(extra)}")
+    _refuse_missing_or_extra(path, sorted(set(missing)), sorted(set(data) - used), "learner parameter(s)",
+                             "tensor(s) that are no learner parameter")
     return n

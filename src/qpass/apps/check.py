@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,20 @@ def calibration_problems(cal: Any, saved: dict[str, Any], what: str) -> list[str
     return problems
 
 
+@dataclasses.dataclass
+class _Target:
+    """What ``qpass check`` rebuilds and compares: the recipe, the model and probe shape, the
+    calibration; for a saved directory also the opened output (``apply_dir``, its ``artifacts``)."""
+
+    recipe: Any
+    model: str
+    bsz: int
+    max_len: int
+    cal: Any
+    apply_dir: Any = None
+    arts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipeline: Any = None,
               checksums: bool = True) -> tuple[int, dict[str, Any]]:
     """``qpass check DIR`` (saved artifacts) or ``qpass check RECIPE`` (fresh graphs, no outputs).
@@ -129,108 +144,32 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
         QpassError: ``target`` is neither an output directory nor a recipe; unreadable report;
             missing, truncated or inconsistent artifact files (exit 2).
     """
-    from qpass.apps.plugins import load_backends
-    from qpass.ops import use_kernels
-    from qpass.compiler.pipeline import Pipeline
-
     con = console()
-    path = Path(target)
-    if pipeline is None and o.model != "default":
-        check_model_ref(o.model)
-    if path.is_dir() and not (path / "report.json").is_file():
-        raise QpassError(f"{path} is not a `qpass apply` output directory (no report.json); "
-                         "qpass check takes such a directory or a recipe")
-    if not path.exists() and os.sep in target and not target.endswith((".yaml", ".yml")):
-        raise QpassError(f"{path} does not exist; qpass check takes a `qpass apply` output directory or a recipe")
+    path = _checked_target_path(target, o, pipeline)
     saved = path.is_dir()
     result: dict[str, Any] = {"target": target}
-    arts: dict[str, Any] = {}
-    apply_dir = None
     if saved:
-        # every file this command reads is verified before the (slow) model load (qpass.apps.integrity):
-        # a missing or corrupt file is bad input (exit 2), a changed or inconsistent one a failure (exit 1)
-        apply_dir = open_apply_dir(path, check=_check_report)
-        rep = apply_dir.report
-        probe = rep["parity"]["probe"]
-        bsz, max_len = probe["rollout_batch"], probe["max_len"]  # positive ints (check_report_fields)
-        arts = apply_dir.artifacts
-        if checksums:
-            problems, notes = verify_files(apply_dir)
-            for n in notes:
-                con.print(f"checksums: {n}")
-            result["checksums_ok"] = not problems
-            if problems:
-                print_check_problems(con, "checksum", problems)
-                con.print(f"qpass check {target}: [red]FAIL[/] (files differ from what qpass apply wrote; "
-                          "--no-checksums rebuilds the graphs to name the sites)")
-                return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
-            if apply_dir.sums:
-                con.print(f"checksums: {len(apply_dir.sums)} files and report.json's own digest match")
-        model = o.model if o.model != "default" else (rep.get("model") or {}).get("ref") or "default"
-        if pipeline is None:
-            check_model_ref(model, "--model" if o.model != "default" else f"{path / 'report.json'} model.ref")
-        problems = consistency_problems(apply_dir, model_ref=None if pipeline is not None else model)
-        result["consistent"] = not problems
-        if problems:
-            print_check_problems(con, "consistency", problems)
-            con.print(f"qpass check {target}: [red]FAIL[/] (the apply's files disagree with each other)")
-            return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
-        recipe = parse_recipe(apply_dir.recipe_text, str(path / "rollout" / "recipe.yaml"))
-        cal = _check_calibration(path, True, rep, o)
+        t = _open_saved(path, target, o, pipeline, checksums, con, result)
+        if isinstance(t, tuple):  # the files differ from what apply wrote, or from each other
+            return t
     else:
-        try:
-            recipe = load_recipe(target)
-        except RecipeError as exc:
-            if "not found" in str(exc):
-                raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
-            raise
-        model, bsz, max_len = o.model, 4, 64
-        cal = _check_calibration(None, False, {}, o)
-    result["recipe"] = recipe.name
-    if cal is not None:
-        result["calibration"] = cal.summary()
-    failures: list[str] = []
+        t = _recipe_target(target, o)
+    result["recipe"] = t.recipe.name
+    if t.cal is not None:
+        result["calibration"] = t.cal.summary()
     loaded: dict[str, int] = {}
-    load_backends([o.kernels])
-    with use_kernels(o.kernels):  # phases: load + capture, the passes of each side, the re-quantization
-        pipe = pipeline or Pipeline.prepare(model, dtype=o.dtype, device=o.device, batch_size=bsz, max_len=max_len)
-        if cal is not None:
-            cal.check_model(pipe.loaded.model)
-        learner, rollout = pipe.build(recipe, debug=True, calibration=cal)
-        if arts.get("learner"):
-            with phase("load the saved learner state"):
-                loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
-        if arts.get("rollout", {}).get("weights"):
-            from qpass.runtime import sync_weights
-
-            sync_weights(learner, rollout)  # what the saved (or fresh) masters quantize to
-            with phase("compare and load every saved rollout tensor"):
-                saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
-                tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
-                if cal is not None:
-                    tensor_problems += calibration_problems(cal, saved_tensors, "rollout/weights.safetensors")
-                result["compared"] = {"rollout_tensors": len(saved_tensors)}
-                failures += tensor_problems
-                loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
-        if apply_dir is not None:  # the quantization config and the report's site counts vs the rebuilt graphs
-            failures += rebuilt_problems(apply_dir, rollout, site_counts(learner, rollout))
+    pipe, learner, rollout, failures = _rebuild_and_compare(t, path, o, pipeline, result, loaded)
     result["loaded"] = loaded
     if saved:
         con.print(f"loaded from {path}: " + (", ".join(f"{v} {k.replace('_', ' ')}" for k, v in loaded.items())
                                              or "no tensors (the recipe quantizes nothing; graphs rebuilt only)"))
         print_check_problems(con, "tensor", failures)
-    names = [c.check for c in recipe.parity if c.check != "logprob_gap"]
-    if "weights_bitexact" not in names and any(r.weight_fake_quant for r in learner.quant.values()):
-        names.append("weights_bitexact")  # a learner QDQ recipe is always re-verified bit for bit
-    if behavioral:
-        names.append("logprob_gap")
+    names = _parity_names(t.recipe, learner, behavioral, o.rollout_engine)
     with contextlib.ExitStack() as engines:
         engine = None
         if o.rollout_engine == "vllm":
-            if "weights_bitexact" not in names:
-                names.insert(0, "weights_bitexact")
-            engine = engines.enter_context(_vllm_engine(pipe, learner, rollout, o, bsz, max_len))
-        ctx = CheckContext(recipe, learner, rollout, probe=_probe(pipe, bsz, max_len) if behavioral else None, engine=engine)
+            engine = engines.enter_context(_vllm_engine(pipe, learner, rollout, o, t.bsz, t.max_len))
+        ctx = CheckContext(t.recipe, learner, rollout, probe=_probe(pipe, t.bsz, t.max_len) if behavioral else None, engine=engine)
         results = list(run_checks(ctx, names))
     result["rollout_engine"] = o.rollout_engine
     for r in results:
@@ -246,6 +185,131 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     result["ok"] = ok = not failures
     con.print(f"qpass check {target}: {'[green]pass[/]' if ok else '[red]FAIL[/]'}")
     return (0 if ok else 1), result
+
+
+def _checked_target_path(target: str, o: ApplyOptions, pipeline: Any) -> Path:
+    """``target`` as a path, after the checks that need no file read.
+
+    Raises:
+        QpassError: a directory without ``report.json``; a missing path that is not a recipe name;
+            a bad ``--model`` reference.
+    """
+    path = Path(target)
+    if pipeline is None and o.model != "default":
+        check_model_ref(o.model)
+    if path.is_dir() and not (path / "report.json").is_file():
+        raise QpassError(f"{path} is not a `qpass apply` output directory (no report.json); "
+                         "qpass check takes such a directory or a recipe")
+    if not path.exists() and os.sep in target and not target.endswith((".yaml", ".yml")):
+        raise QpassError(f"{path} does not exist; qpass check takes a `qpass apply` output directory or a recipe")
+    return path
+
+
+def _open_saved(path: Path, target: str, o: ApplyOptions, pipeline: Any, checksums: bool, con: Any,
+                result: dict[str, Any]) -> _Target | tuple[int, dict[str, Any]]:
+    """Open and verify a saved output directory (every file this command reads is verified before
+    the slow model load, :mod:`qpass.apps.integrity`): the :class:`_Target` to rebuild, or the
+    final ``(1, result)`` when the files differ from their checksums or from each other.
+
+    Raises:
+        QpassError: a missing or corrupt file, an unreadable report (exit 2).
+    """
+    apply_dir = open_apply_dir(path, check=_check_report)
+    rep = apply_dir.report
+    probe = rep["parity"]["probe"]
+    bsz, max_len = probe["rollout_batch"], probe["max_len"]  # positive ints (check_report_fields)
+    if checksums:
+        problems, notes = verify_files(apply_dir)
+        for n in notes:
+            con.print(f"checksums: {n}")
+        result["checksums_ok"] = not problems
+        if problems:
+            print_check_problems(con, "checksum", problems)
+            con.print(f"qpass check {target}: [red]FAIL[/] (files differ from what qpass apply wrote; "
+                      "--no-checksums rebuilds the graphs to name the sites)")
+            return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
+        if apply_dir.sums:
+            con.print(f"checksums: {len(apply_dir.sums)} files and report.json's own digest match")
+    model = o.model if o.model != "default" else (rep.get("model") or {}).get("ref") or "default"
+    if pipeline is None:
+        check_model_ref(model, "--model" if o.model != "default" else f"{path / 'report.json'} model.ref")
+    problems = consistency_problems(apply_dir, model_ref=None if pipeline is not None else model)
+    result["consistent"] = not problems
+    if problems:
+        print_check_problems(con, "consistency", problems)
+        con.print(f"qpass check {target}: [red]FAIL[/] (the apply's files disagree with each other)")
+        return 1, result | {"recipe": rep["recipe"].get("name"), "ok": False, "failures": problems}
+    recipe = parse_recipe(apply_dir.recipe_text, str(path / "rollout" / "recipe.yaml"))
+    cal = _check_calibration(path, True, rep, o)
+    return _Target(recipe, model, bsz, max_len, cal, apply_dir=apply_dir, arts=apply_dir.artifacts)
+
+
+def _recipe_target(target: str, o: ApplyOptions) -> _Target:
+    """A recipe name or file to build fresh (probe batch 4, length 64).
+
+    Raises:
+        RecipeError: no such recipe (the message says what ``qpass check`` takes) or a bad one.
+    """
+    try:
+        recipe = load_recipe(target)
+    except RecipeError as exc:
+        if "not found" in str(exc):
+            raise RecipeError(f"{exc} (qpass check takes a `qpass apply` output directory or a recipe)") from exc
+        raise
+    return _Target(recipe, o.model, 4, 64, _check_calibration(None, False, {}, o))
+
+
+def _rebuild_and_compare(t: _Target, path: Path, o: ApplyOptions, pipeline: Any, result: dict[str, Any],
+                         loaded: dict[str, int]) -> tuple[Any, Any, Any, list[str]]:
+    """Rebuild both graphs under ``o.kernels``, load the saved learner state and compare (then load)
+    every saved rollout tensor, and compare the saved quantization config with the rebuilt graphs.
+
+    Returns ``(pipeline, learner, rollout, failures)``; fills ``loaded`` (tensor counts) and
+    ``result["compared"]``.
+    """
+    from qpass.apps.plugins import load_backends
+    from qpass.ops import use_kernels
+    from qpass.compiler.pipeline import Pipeline
+
+    failures: list[str] = []
+    cal = t.cal
+    load_backends([o.kernels])
+    with use_kernels(o.kernels):  # phases: load + capture, the passes of each side, the re-quantization
+        pipe = pipeline or Pipeline.prepare(t.model, dtype=o.dtype, device=o.device, batch_size=t.bsz, max_len=t.max_len)
+        if cal is not None:
+            cal.check_model(pipe.loaded.model)
+        learner, rollout = pipe.build(t.recipe, debug=True, calibration=cal)
+        if t.arts.get("learner"):
+            with phase("load the saved learner state"):
+                loaded["learner_tensors"] = load_learner_into(learner, path / "learner" / "model.safetensors")
+        if t.arts.get("rollout", {}).get("weights"):
+            from qpass.runtime import sync_weights
+
+            sync_weights(learner, rollout)  # what the saved (or fresh) masters quantize to
+            with phase("compare and load every saved rollout tensor"):
+                saved_tensors = read_tensors(path / "rollout" / "weights.safetensors")
+                tensor_problems = compare_tensors(rollout_tensors(rollout), saved_tensors, "rollout/weights.safetensors")
+                if cal is not None:
+                    tensor_problems += calibration_problems(cal, saved_tensors, "rollout/weights.safetensors")
+                result["compared"] = {"rollout_tensors": len(saved_tensors)}
+                failures += tensor_problems
+                loaded["rollout_tensors"] = load_rollout_into(rollout, path / "rollout" / "weights.safetensors")
+        if t.apply_dir is not None:  # the quantization config and the report's site counts vs the rebuilt graphs
+            failures += rebuilt_problems(t.apply_dir, rollout, site_counts(learner, rollout))
+    return pipe, learner, rollout, failures
+
+
+def _parity_names(recipe: Any, learner: Any, behavioral: bool, rollout_engine: str) -> list[str]:
+    """The parity checks to run, in order: the recipe's (its ``logprob_gap`` only when
+    ``behavioral``), plus ``weights_bitexact`` for a learner QDQ recipe and first for the vLLM engine."""
+    names = [c.check for c in recipe.parity if c.check != "logprob_gap"]
+    if "weights_bitexact" not in names and any(r.weight_fake_quant for r in learner.quant.values()):
+        names.append("weights_bitexact")  # a learner QDQ recipe is always re-verified bit for bit
+    if behavioral:
+        names.append("logprob_gap")
+    if rollout_engine == "vllm" and "weights_bitexact" not in names:
+        names.insert(0, "weights_bitexact")
+    return names
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ tensors: :mod:`qpass.checkpoint.formats`; files: :mod:`qpass.checkpoint.hfdir`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -158,6 +159,63 @@ def _calibration_ids(tokenizer: Any, n: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------- export
 
 
+@dataclasses.dataclass
+class _ApplySource:
+    """A verified apply output directory as an export source (:func:`_read_apply_dir`)."""
+
+    verified: Any
+    model_ref: str | None
+    dtype: str
+    sites: dict[str, RolloutSite]
+    site_tensors: dict[str, torch.Tensor]
+    masters: Path | None
+    cal: Any
+
+
+def _read_apply_dir(apply_dir: Path, fmt: str, recipe: str | None, model_ref: str | None, record: dict[str, Any], cal: Any,
+                    calibration: str | Path | None) -> _ApplySource:
+    """Verify ``apply_dir`` before reading anything else (:mod:`qpass.apps.integrity`: malformed ->
+    exit 2, changed -> exit 1), then read its sites, rollout tensors, masters and calibration; sets
+    ``record["source"]``. ``model_ref`` (``--model``) overrides the report's; ``dtype``: the report's.
+
+    Raises:
+        QpassError: ``recipe`` given; a malformed report or one naming no model; a missing or corrupt file.
+        IntegrityError: files changed since apply or inconsistent with each other.
+    """
+    if recipe is not None:
+        raise QpassError(f"{apply_dir} is an apply output (its recipe is fixed); --recipe applies to --model only")
+    verified = open_apply_dir(apply_dir, need_rollout=fmt != "plain")
+    report = verified.report
+    m = report.get("model") or {}
+    if not isinstance(m, dict):
+        raise QpassError(f"{apply_dir / 'report.json'}: 'model' must be an object, got {m!r}")
+    model_ref = model_ref or m.get("ref")
+    if not model_ref:
+        raise QpassError(f"{apply_dir / 'report.json'} names no model (model.ref); pass --model")
+    problems, notes = verify_files(verified)
+    for n in notes:
+        log.warning("%s: %s", apply_dir, n)
+    _refuse(apply_dir, problems)
+    _refuse(apply_dir, consistency_problems(verified, model_ref=model_ref))
+    dtype = m.get("dtype") or "bf16"
+    sites: dict[str, RolloutSite] = {}
+    site_tensors: dict[str, torch.Tensor] = {}
+    if fmt != "plain":
+        qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
+        sites = sites_from_quant_config(_read_json(qcfg_path, "the rollout quantization config"), qcfg_path)
+        if any(r.weight == "nvfp4" for r in sites.values()):  # activation-only sites have no rollout bytes
+            from qpass.apps.artifacts import read_tensors
+
+            site_tensors = read_tensors(apply_dir / "rollout" / "weights.safetensors")
+    masters: Path | None = apply_dir / "learner" / "model.safetensors"
+    record.update(source={"apply_dir": str(apply_dir), "recipe": (report.get("recipe") or {}).get("name")})
+    cal = _apply_calibration(apply_dir, report, cal, calibration)
+    if "learner/model.safetensors" not in verified.reads:
+        log.warning("%s has no learner state; the unquantized tensors come from the model %s", apply_dir, model_ref)
+        masters = None
+    return _ApplySource(verified, model_ref, dtype, sites, site_tensors, masters, cal)
+
+
 def export_checkpoint(
     out: str | Path,
     fmt: str = "qpass",
@@ -216,36 +274,10 @@ def export_checkpoint(
     masters = None
     verified = None
     if apply_dir is not None:
-        if recipe is not None:
-            raise QpassError(f"{apply_dir} is an apply output (its recipe is fixed); --recipe applies to --model only")
-        # verify before reading anything else (qpass.apps.integrity): malformed -> exit 2, changed -> exit 1
-        verified = open_apply_dir(apply_dir, need_rollout=fmt != "plain")
-        report = verified.report
-        m = report.get("model") or {}
-        if not isinstance(m, dict):
-            raise QpassError(f"{apply_dir / 'report.json'}: 'model' must be an object, got {m!r}")
-        model_ref = model_ref or m.get("ref")
-        if not model_ref:
-            raise QpassError(f"{apply_dir / 'report.json'} names no model (model.ref); pass --model")
-        problems, notes = verify_files(verified)
-        for n in notes:
-            log.warning("%s: %s", apply_dir, n)
-        _refuse(apply_dir, problems)
-        _refuse(apply_dir, consistency_problems(verified, model_ref=model_ref))
-        dtype = dtype or m.get("dtype") or "bf16"
-        if fmt != "plain":
-            qcfg_path = apply_dir / "rollout" / "hf_quant_config.json"
-            sites = sites_from_quant_config(_read_json(qcfg_path, "the rollout quantization config"), qcfg_path)
-            if any(r.weight == "nvfp4" for r in sites.values()):  # activation-only sites have no rollout bytes
-                from qpass.apps.artifacts import read_tensors
-
-                site_tensors = read_tensors(apply_dir / "rollout" / "weights.safetensors")
-        masters = apply_dir / "learner" / "model.safetensors"
-        record.update(source={"apply_dir": str(apply_dir), "recipe": (report.get("recipe") or {}).get("name")})
-        cal = _apply_calibration(apply_dir, report, cal, calibration)
-        if "learner/model.safetensors" not in verified.reads:
-            log.warning("%s has no learner state; the unquantized tensors come from the model %s", apply_dir, model_ref)
-            masters = None
+        src_ = _read_apply_dir(apply_dir, fmt, recipe, model_ref, record, cal, calibration)
+        verified, model_ref, sites, site_tensors, masters, cal = (src_.verified, src_.model_ref, src_.sites, src_.site_tensors,
+                                                                  src_.masters, src_.cal)
+        dtype = dtype or src_.dtype
     elif model_ref is None:
         raise QpassError("nothing to export: give an apply output DIR, a model (SRC or --model), or --recipe R --model M")
     dtype = dtype or "bf16"

@@ -308,16 +308,11 @@ def model_problems(report: Mapping[str, Any], model_ref: str | None) -> list[str
         return []
     p = Path(source)
     base = p.parent if p.suffix == ".gguf" else p
-    from qpass.apps.artifacts import sha256_file
+    from qpass.apps.artifacts import changed_files
 
-    problems = []
-    for rel, want in sorted(files.items()):
-        f = base / rel
-        if not f.is_file():
-            problems.append(f"model file {f} (the model the apply ran on, recorded in {REPORT}) is missing")
-        elif sha256_file(f) != want:
-            problems.append(f"model file {f}: sha256 differs from the one recorded in {REPORT} (the model changed since qpass apply)")
-    return problems
+    return [f"model file {f} (the model the apply ran on, recorded in {REPORT}) is missing" if gone
+            else f"model file {f}: sha256 differs from the one recorded in {REPORT} (the model changed since qpass apply)"
+            for _, f, gone in changed_files(base, files)]
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -314,6 +314,23 @@ def refuse_act_only(inputs: ExportInputs, fmt: str) -> None:
 # ----------------------------------------------------------------------------- formats
 
 
+def nvfp4_weight_format_act(inputs: ExportInputs, fmt: str, no_per_token: str) -> ActMode:
+    """The activation mode of ``inputs`` for a format that stores NVFP4 weights and per-tensor
+    activation scales only (``modelopt``, ``compressed-tensors``), after the checks they share.
+
+    Raises:
+        QpassError: no quantized site; activation-only sites (:func:`refuse_act_only`); per-token
+            activations (``no_per_token`` says why the format cannot hold them).
+    """
+    if not inputs.sites:
+        raise QpassError(f"--format {fmt} needs NVFP4-quantized sites; this rollout has none (use --format plain)")
+    refuse_act_only(inputs, fmt)
+    act = act_mode(inputs)
+    if act == nvfp4_act_mode(NVFP4_ACT_PER_TOKEN):
+        raise QpassError(f"{no_per_token} (act: {act}); use --format qpass")
+    return act
+
+
 @checkpoint_format("plain")
 def plain_format(inputs: ExportInputs) -> CheckpointContent:
     """The unquantized model (master weights in the model dtype); ``config.json`` without quantization."""
@@ -372,12 +389,7 @@ def modelopt_format(inputs: ExportInputs) -> CheckpointContent:
         QpassError: nothing quantized; per-token activations (ModelOpt has no such mode); see
             :func:`site_tensors_checked` / :func:`w4a4_input_scales`.
     """
-    if not inputs.sites:
-        raise QpassError("--format modelopt needs NVFP4-quantized sites; this rollout has none (use --format plain)")
-    refuse_act_only(inputs, "modelopt")
-    act = act_mode(inputs)
-    if act == nvfp4_act_mode(NVFP4_ACT_PER_TOKEN):
-        raise QpassError(f"ModelOpt NVFP4 has no per-token activation scale (act: {act}); use --format qpass")
+    act = nvfp4_weight_format_act(inputs, "modelopt", "ModelOpt NVFP4 has no per-token activation scale")
     w4a4 = act in ("nvfp4", "nvfp4_static")  # static: the calibrated scales the rollout graph used
     algo = "NVFP4" if w4a4 else "W4A16_NVFP4"
     exclude = excluded_modules(inputs)
@@ -442,12 +454,7 @@ def compressed_tensors_format(inputs: ExportInputs) -> CheckpointContent:
         from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
     except ImportError as exc:
         raise MissingDependencyError(f"--format compressed-tensors needs the compressed-tensors package: pip install compressed-tensors ({exc})") from exc
-    if not inputs.sites:
-        raise QpassError("--format compressed-tensors needs NVFP4-quantized sites; this rollout has none (use --format plain)")
-    refuse_act_only(inputs, "compressed-tensors")
-    act = act_mode(inputs)
-    if act == nvfp4_act_mode(NVFP4_ACT_PER_TOKEN):
-        raise QpassError(f"compressed-tensors' NVFP4 preset has no per-token activation global scale (act: {act}); use --format qpass")
+    act = nvfp4_weight_format_act(inputs, "compressed-tensors", "compressed-tensors' NVFP4 preset has no per-token activation global scale")
     fmt = CompressionFormat.nvfp4_pack_quantized.value
     exclude = excluded_modules(inputs)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=fmt, **(NVFP4 if act in ("nvfp4", "nvfp4_static") else NVFP4A16))},

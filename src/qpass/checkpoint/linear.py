@@ -89,7 +89,7 @@ def begin_loading(layer: torch.nn.Module) -> None:
         layer.qpass_loaded.clear()
 
 
-def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor, persistent: bool) -> None:
+def bind_buffer(layer: torch.nn.Module, name: str, value: torch.Tensor, persistent: bool) -> None:
     """``layer.<name> = value`` as a buffer, copied in place when one of that shape already exists
     (keeps the tensor's identity: CUDA graphs, and vLLM's reload copies into the original storage)."""
     cur = getattr(layer, name, None)
@@ -127,12 +127,12 @@ def finish_loading(layer: torch.nn.Module, prefix: str, *, persistent: bool = Fa
     forget_weight(layer.weight, layer.weight_scale)  # a loader writing through .data bumps no version
     gs = layer.weight_scale_2.data.detach().float().reshape(-1)
     s_dec = gs[0].reshape(()).clone()
-    _bind(layer, "qpass_s_dec", s_dec, persistent)
+    bind_buffer(layer, "qpass_s_dec", s_dec, persistent)
     if decode_cache:
         from qpass.quant.nvfp4 import NVFP4Tensor, nvfp4_operand
 
         w = NVFP4Tensor.from_parts(layer.weight.data, layer.weight_scale.data, s_dec)
-        _bind(layer, "qpass_w_b", nvfp4_operand(w), persistent)
+        bind_buffer(layer, "qpass_w_b", nvfp4_operand(w), persistent)
 
 
 def served_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None, *, site: str, act: str,

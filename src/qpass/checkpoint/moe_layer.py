@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from qpass.checkpoint.linear import finish_loading, served_linear
+from qpass.checkpoint.linear import bind_buffer, finish_loading, served_linear
 from qpass.checkpoint.params import NVFP4_BLOCK, ParamSpec
 from qpass.checkpoint.qconfig import METHOD_NAME
 from qpass.errors import QuantizationError
@@ -136,14 +136,9 @@ def finish_moe_loading(layer: torch.nn.Module, prefix: str, *, decode_cache: boo
 
 
 def _bind(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    cur = getattr(layer, name, None)
-    if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype and cur.device == value.device:
-        with torch.no_grad():
-            cur.copy_(value)
-        return
-    if name in layer._buffers:
-        del layer._buffers[name]
-    layer.register_buffer(name, value, persistent=True)  # vLLM's layer-wise reload copies only persistent buffers back
+    """:func:`qpass.checkpoint.linear.bind_buffer`, persistent: vLLM's layer-wise reload copies only
+    persistent buffers back."""
+    bind_buffer(layer, name, value, persistent=True)
 
 
 def _linear(codes: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor, b_w: torch.Tensor | None, x: torch.Tensor, *,

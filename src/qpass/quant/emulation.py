@@ -60,12 +60,11 @@ from typing import Literal
 import torch
 
 from qpass.errors import QuantizationError
-from qpass.formats.e2m1 import e2m1_encode, pack_e2m1
 from qpass.formats.e4m3 import E4M3_MIN_NORMAL, e4m3_round_magnitude
 from qpass.formats.fp32 import FLT_MAX, FP4_E2M1_MAX, FP8_E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from qpass.formats.spec import NVFP4_WEIGHT
 from qpass.quant.checks import check_float_input
-from qpass.quant.nvfp4 import BLOCK, ONE_SIXTH, NVFP4Tensor, global_scales, quantize_with_amax
+from qpass.quant.nvfp4 import BLOCK, ONE_SIXTH, NVFP4Tensor, blocks_and_vmax, encode_scaled, global_scales, quantize_with_amax
 
 EmulationFn = Callable[..., NVFP4Tensor]
 
@@ -145,21 +144,21 @@ def _div_by_python_scalar(t: torch.Tensor, c: float, lowering: Literal["cpu", "c
 
 
 def _prepare(
-    x: torch.Tensor, amax: torch.Tensor | float | None, mode: str
+    x: torch.Tensor, amax: torch.Tensor | float | None, mode: str, *, zero_amax_why: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate ``x`` and ``amax``; return ``(blocks fp32 [..., K/16, 16], vmax [..., K/16], amax fp32)``.
 
     ``amax`` may be ``()`` or ``x.shape[:-1] + (1,)`` (per row); ``None`` = ``max|x|``. A stale
     amax (smaller than ``max|x|``) is accepted on purpose: libraries that do not check it (D7) are
-    emulated as they behave.
+    emulated as they behave. ``zero_amax_why``: the library has no bytes for ``amax == 0`` (the
+    reason, for the error), checked last.
     """
     check_float_input(x, op=f"nvfp4 emulation {mode!r}", multiple_of=BLOCK)
-    lead, k = x.shape[:-1], x.shape[-1]
-    xb = x.float().reshape(*lead, k // BLOCK, BLOCK)
-    vmax = xb.abs().amax(dim=-1)
+    xb, vmax = blocks_and_vmax(x)
     if amax is None:
         amax_t = x.detach().abs().amax().float()
     else:
+        lead = x.shape[:-1]
         amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
         if amax_t.numel() == 1:
             amax_t = amax_t.reshape(())
@@ -167,6 +166,8 @@ def _prepare(
             raise QuantizationError(f"nvfp4 emulation {mode!r}: amax must be finite and >= 0, got {amax_t.flatten()[:4].tolist()}")
         if amax_t.dim() != 0 and tuple(amax_t.shape) != tuple(lead) + (1,):
             raise QuantizationError(f"nvfp4 emulation {mode!r}: amax shape {tuple(amax_t.shape)} fits neither () nor {tuple(lead) + (1,)}")
+    if zero_amax_why is not None and bool((amax_t == 0).any()):
+        raise QuantizationError(f"nvfp4 emulation {mode!r}: amax == 0 has no defined bytes in this library ({zero_amax_why})")
     return xb, vmax, amax_t
 
 
@@ -177,23 +178,7 @@ def _finish(
     and wrap everything in an :class:`NVFP4Tensor`."""
     y = torch.where(torch.isnan(y), _c(y, FP4_E2M1_MAX), y)
     y = torch.clamp(y, -FP4_E2M1_MAX, FP4_E2M1_MAX)
-    lead, k = x.shape[:-1], x.shape[-1]
-    codes = e2m1_encode(y).reshape(*lead, k)
-    return NVFP4Tensor(
-        codes=pack_e2m1(codes),
-        scales=s_b.to(torch.float8_e4m3fn),
-        s_dec=s_dec,
-        s_enc=s_enc,
-        amax=amax,
-        shape=x.shape,
-        orig_dtype=x.dtype,
-        spec=NVFP4_WEIGHT,
-    )
-
-
-def _no_zero_amax(amax: torch.Tensor, mode: str, why: str) -> None:
-    if bool((amax == 0).any()):
-        raise QuantizationError(f"nvfp4 emulation {mode!r}: amax == 0 has no defined bytes in this library ({why})")
+    return encode_scaled(x, y, s_b, s_dec=s_dec, s_enc=s_enc, amax=amax, spec=NVFP4_WEIGHT)
 
 
 def _usable_global(g: torch.Tensor, mode: str, name: str) -> None:
@@ -272,29 +257,55 @@ def vllm_sglang(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NV
     return _finish(x, y, s_b, s_dec, gs, amax_t)
 
 
-def _torchao(x: torch.Tensor, amax: torch.Tensor | float | None, lowering: Literal["cpu", "cuda"]) -> NVFP4Tensor:
-    mode = "torchao" if lowering == "cpu" else "torchao_cuda"
-    xb, vmax, amax_t = _prepare(x, amax, mode)
-    _no_zero_amax(amax_t, mode, "per_tensor_scale = amax/2688 = 0 and block_scale/0 = NaN")
-    pts = _div_by_python_scalar(amax_t, NVFP4_GLOBAL_NUMERATOR, lowering)  # per_tensor_amax_to_scale
-    _usable_global(pts, mode, "per_tensor_scale")
-    block_scale = _div_by_python_scalar(vmax, FP4_E2M1_MAX, lowering)  # max_abs / F4_E2M1_MAX
-    scaled = block_scale / pts
-    s_b = e4m3_round_magnitude(torch.clamp(scaled, min=E4M3_MIN_NORMAL, max=FP8_E4M3_MAX))
-    inv_pts = _c(pts, 1.0) / pts  # (1.0 / per_tensor_scale) = pts.reciprocal() * 1.0
-    _usable_global(inv_pts, mode, "1/per_tensor_scale")
-    recip = inv_pts / s_b
-    y = xb * recip.unsqueeze(-1)
-    return _finish(x, y, s_b, pts, inv_pts, amax_t)
+Lowering = Literal["cpu", "cuda"]
+LoweredFn = Callable[[torch.Tensor, "torch.Tensor | float | None", Lowering, str], NVFP4Tensor]
 
 
-@register_emulation(
+def _register_cpu_and_cuda(
+    name: str, *, native_global: Literal["decode", "encode"], source: str, cuda_source: str, cuda_doc: str
+) -> Callable[[LoweredFn], tuple[EmulationFn, EmulationFn]]:
+    """Decorator on one library's arithmetic ``impl(x, amax, lowering, mode)``: register its two
+    modes, ``name`` (CPU eager, ``impl.__doc__``) and ``name + "_cuda"`` (the same python code as
+    CUDA eager PyTorch lowers it, ``cuda_doc``), and return ``(cpu_fn, cuda_fn)``.
+
+    Raises:
+        ValueError: a name already registered.
+    """
+
+    def mode_fn(impl: LoweredFn, lowering: Lowering, mode: str, doc: str | None) -> EmulationFn:
+        def fn(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
+            return impl(x, amax, lowering, mode)
+
+        fn.__name__ = fn.__qualname__ = mode
+        fn.__doc__ = doc
+        return fn
+
+    def deco(impl: LoweredFn) -> tuple[EmulationFn, EmulationFn]:
+        cpu = register_emulation(name, native_global=native_global, source=source)(mode_fn(impl, "cpu", name, impl.__doc__))
+        cuda_name = f"{name}_cuda"
+        cuda = register_emulation(cuda_name, native_global=native_global, source=cuda_source)(
+            mode_fn(impl, "cuda", cuda_name, cuda_doc))
+        return cpu, cuda
+
+    return deco
+
+
+@_register_cpu_and_cuda(
     "torchao",
     native_global="decode",
     source="torchao 0.18 torchao/prototype/mx_formats/nvfp4_tensor.py nvfp4_quantize (two-level "
     "branch) and per_tensor_amax_to_scale; CPU eager",
+    cuda_source="torchao 0.18 nvfp4_tensor.py nvfp4_quantize run in CUDA eager (div by python scalar = "
+    "multiply by its float32 reciprocal, PyTorch div_true_kernel_cuda)",
+    cuda_doc="""torchao 0.18 python ``nvfp4_quantize`` as CUDA eager PyTorch lowers it (not GPU-measured).
+
+    Same as :func:`torchao` except the two divisions by python constants become multiplications by
+    float32 reciprocals: ``pts = fl(amax * fl(1/2688))`` and ``block_scale = fl(vmax * fl(1/6))``.
+
+    Source: as :func:`torchao`, plus PyTorch ``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``.
+    """,
 )
-def torchao(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
+def _torchao(x: torch.Tensor, amax: torch.Tensor | float | None, lowering: Lowering, mode: str) -> NVFP4Tensor:
     """torchao 0.18 python ``nvfp4_quantize`` with ``per_tensor_scale = amax/2688`` (CPU eager).
 
         pts = fl(amax / 2688)                                       # decode global scale
@@ -315,48 +326,32 @@ def torchao(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4T
     Source: torchao 0.18 ``prototype/mx_formats/nvfp4_tensor.py``: ``per_tensor_amax_to_scale``,
     ``nvfp4_quantize`` (two-level branch).
     """
-    return _torchao(x, amax, "cpu")
+    xb, vmax, amax_t = _prepare(x, amax, mode, zero_amax_why="per_tensor_scale = amax/2688 = 0 and block_scale/0 = NaN")
+    pts = _div_by_python_scalar(amax_t, NVFP4_GLOBAL_NUMERATOR, lowering)  # per_tensor_amax_to_scale
+    _usable_global(pts, mode, "per_tensor_scale")
+    block_scale = _div_by_python_scalar(vmax, FP4_E2M1_MAX, lowering)  # max_abs / F4_E2M1_MAX
+    scaled = block_scale / pts
+    s_b = e4m3_round_magnitude(torch.clamp(scaled, min=E4M3_MIN_NORMAL, max=FP8_E4M3_MAX))
+    inv_pts = _c(pts, 1.0) / pts  # (1.0 / per_tensor_scale) = pts.reciprocal() * 1.0
+    _usable_global(inv_pts, mode, "1/per_tensor_scale")
+    recip = inv_pts / s_b
+    y = xb * recip.unsqueeze(-1)
+    return _finish(x, y, s_b, pts, inv_pts, amax_t)
 
 
-@register_emulation(
-    "torchao_cuda",
-    native_global="decode",
-    source="torchao 0.18 nvfp4_tensor.py nvfp4_quantize run in CUDA eager (div by python scalar = "
-    "multiply by its float32 reciprocal, PyTorch div_true_kernel_cuda)",
-)
-def torchao_cuda(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
-    """torchao 0.18 python ``nvfp4_quantize`` as CUDA eager PyTorch lowers it (not GPU-measured).
-
-    Same as :func:`torchao` except the two divisions by python constants become multiplications by
-    float32 reciprocals: ``pts = fl(amax * fl(1/2688))`` and ``block_scale = fl(vmax * fl(1/6))``.
-
-    Source: as :func:`torchao`, plus PyTorch ``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``.
-    """
-    return _torchao(x, amax, "cuda")
+torchao, torchao_cuda = _torchao
 
 
-def _modelopt(x: torch.Tensor, amax: torch.Tensor | float | None, lowering: Literal["cpu", "cuda"]) -> NVFP4Tensor:
-    mode = "modelopt_export" if lowering == "cpu" else "modelopt_export_cuda"
-    xb, vmax, amax_t = _prepare(x, amax, mode)
-    _no_zero_amax(amax_t, mode, "weights_scaling_factor_2 = 0 and vmax/0 = NaN block scales")
-    wsf2 = _div_by_python_scalar(amax_t, NVFP4_GLOBAL_NUMERATOR, lowering)  # amax.float() / (6.0*448.0)
-    _usable_global(_c(wsf2, FP4_E2M1_MAX) * wsf2, mode, "6 * weights_scaling_factor_2")
-    per_block = vmax / (_c(wsf2, FP4_E2M1_MAX) * wsf2)
-    per_block = torch.where(per_block == 0, torch.ones_like(per_block), per_block)
-    # no clamp at 448: torch >= 2.12 eager saturates the cast (older torch gives NaN, D7/D8)
-    s_b = e4m3_round_magnitude(torch.clamp(per_block, max=FLT_MAX))
-    denom = s_b * wsf2
-    y = xb / denom.unsqueeze(-1)  # s_b == 0 (underflow) -> +-inf -> code +-6, 0/0 -> NaN -> code 6
-    return _finish(x, y, s_b, wsf2, _c(wsf2, 1.0) / wsf2, amax_t)
-
-
-@register_emulation(
+@_register_cpu_and_cuda(
     "modelopt_export",
     native_global="decode",
     source="NVIDIA Model-Optimizer modelopt/torch/quantization/qtensor/nvfp4_tensor.py "
     "NVFP4QTensor.get_weights_scaling_factor(_2) + quantize (snapshot 5a4242fa); CPU eager",
+    cuda_source="Model-Optimizer qtensor/nvfp4_tensor.py export run in CUDA eager (amax/(6*448) lowered to "
+    "amax*fl(1/2688))",
+    cuda_doc=""":func:`modelopt_export` as CUDA eager lowers it: ``wsf2 = fl(amax * fl(1/2688))`` (not GPU-measured).""",
 )
-def modelopt_export(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
+def _modelopt(x: torch.Tensor, amax: torch.Tensor | float | None, lowering: Lowering, mode: str) -> NVFP4Tensor:
     """ModelOpt NVFP4 export (``NVFP4QTensor.quantize``), CPU eager.
 
         wsf2 = fl(amax / 2688)                         # weight_scale_2, decode
@@ -381,41 +376,31 @@ def modelopt_export(x: torch.Tensor, amax: torch.Tensor | float | None = None) -
     Source: Model-Optimizer ``qtensor/nvfp4_tensor.py``: ``get_weights_scaling_factor_2``,
     ``get_weights_scaling_factor``, ``quantize``, ``_cast_fp4``.
     """
-    return _modelopt(x, amax, "cpu")
+    xb, vmax, amax_t = _prepare(x, amax, mode, zero_amax_why="weights_scaling_factor_2 = 0 and vmax/0 = NaN block scales")
+    wsf2 = _div_by_python_scalar(amax_t, NVFP4_GLOBAL_NUMERATOR, lowering)  # amax.float() / (6.0*448.0)
+    _usable_global(_c(wsf2, FP4_E2M1_MAX) * wsf2, mode, "6 * weights_scaling_factor_2")
+    per_block = vmax / (_c(wsf2, FP4_E2M1_MAX) * wsf2)
+    per_block = torch.where(per_block == 0, torch.ones_like(per_block), per_block)
+    # no clamp at 448: torch >= 2.12 eager saturates the cast (older torch gives NaN, D7/D8)
+    s_b = e4m3_round_magnitude(torch.clamp(per_block, max=FLT_MAX))
+    denom = s_b * wsf2
+    y = xb / denom.unsqueeze(-1)  # s_b == 0 (underflow) -> +-inf -> code +-6, 0/0 -> NaN -> code 6
+    return _finish(x, y, s_b, wsf2, _c(wsf2, 1.0) / wsf2, amax_t)
 
 
-@register_emulation(
-    "modelopt_export_cuda",
-    native_global="decode",
-    source="Model-Optimizer qtensor/nvfp4_tensor.py export run in CUDA eager (amax/(6*448) lowered to "
-    "amax*fl(1/2688))",
-)
-def modelopt_export_cuda(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
-    """:func:`modelopt_export` as CUDA eager lowers it: ``wsf2 = fl(amax * fl(1/2688))`` (not GPU-measured)."""
-    return _modelopt(x, amax, "cuda")
+modelopt_export, modelopt_export_cuda = _modelopt
 
 
-def _compressed_tensors(x: torch.Tensor, amax: torch.Tensor | float | None, lowering: Literal["cpu", "cuda"]) -> NVFP4Tensor:
-    mode = "compressed_tensors" if lowering == "cpu" else "compressed_tensors_cuda"
-    xb, vmax, amax_t = _prepare(x, amax, mode)
-    _no_zero_amax(amax_t, mode, "global_scale = 2688/0 = inf and inf*0 = NaN block scales")
-    gs = (_c(amax_t, 1.0) / amax_t) * _c(amax_t, NVFP4_GLOBAL_NUMERATOR)  # 2688 / t == t.reciprocal()*2688
-    _usable_global(gs, mode, "global_scale")
-    sf = gs * _div_by_python_scalar(vmax, FP4_E2M1_MAX, lowering)
-    s_b = e4m3_round_magnitude(torch.clamp(sf, max=FP8_E4M3_MAX))
-    s_b = torch.where(s_b == 0, _c(s_b, 0.125), s_b)
-    denom = s_b / gs
-    y = xb / denom.unsqueeze(-1)
-    return _finish(x, y, s_b, _c(gs, 1.0) / gs, gs, amax_t)
-
-
-@register_emulation(
+@_register_cpu_and_cuda(
     "compressed_tensors",
     native_global="encode",
     source="compressed-tensors quantization/utils/helpers.py generate_gparam + calculate_qparams, "
     "quantization/lifecycle/forward.py _quantize (snapshot 52792be0); CPU eager",
+    cuda_source="compressed-tensors helpers.py calculate_qparams run in CUDA eager (max_val_pos/6.0 lowered "
+    "to max_val_pos*fl(1/6))",
+    cuda_doc=""":func:`compressed_tensors` as CUDA eager lowers it: ``sf = fl(gs * fl(vmax * fl(1/6)))`` (not GPU-measured).""",
 )
-def compressed_tensors(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
+def _compressed_tensors(x: torch.Tensor, amax: torch.Tensor | float | None, lowering: Lowering, mode: str) -> NVFP4Tensor:
     """compressed-tensors / llm-compressor NVFP4 (``weight_global_scale`` checkpoints), CPU eager.
 
         gs  = fl(fl(1/amax) * 2688)                    # `448*6 / amax` is Tensor.__rtruediv__ = reciprocal()*2688
@@ -438,18 +423,18 @@ def compressed_tensors(x: torch.Tensor, amax: torch.Tensor | float | None = None
     Source: compressed-tensors ``quantization/utils/helpers.py``: ``generate_gparam``,
     ``calculate_qparams``; ``quantization/lifecycle/forward.py``: ``_quantize``.
     """
-    return _compressed_tensors(x, amax, "cpu")
+    xb, vmax, amax_t = _prepare(x, amax, mode, zero_amax_why="global_scale = 2688/0 = inf and inf*0 = NaN block scales")
+    gs = (_c(amax_t, 1.0) / amax_t) * _c(amax_t, NVFP4_GLOBAL_NUMERATOR)  # 2688 / t == t.reciprocal()*2688
+    _usable_global(gs, mode, "global_scale")
+    sf = gs * _div_by_python_scalar(vmax, FP4_E2M1_MAX, lowering)
+    s_b = e4m3_round_magnitude(torch.clamp(sf, max=FP8_E4M3_MAX))
+    s_b = torch.where(s_b == 0, _c(s_b, 0.125), s_b)
+    denom = s_b / gs
+    y = xb / denom.unsqueeze(-1)
+    return _finish(x, y, s_b, _c(gs, 1.0) / gs, gs, amax_t)
 
 
-@register_emulation(
-    "compressed_tensors_cuda",
-    native_global="encode",
-    source="compressed-tensors helpers.py calculate_qparams run in CUDA eager (max_val_pos/6.0 lowered "
-    "to max_val_pos*fl(1/6))",
-)
-def compressed_tensors_cuda(x: torch.Tensor, amax: torch.Tensor | float | None = None) -> NVFP4Tensor:
-    """:func:`compressed_tensors` as CUDA eager lowers it: ``sf = fl(gs * fl(vmax * fl(1/6)))`` (not GPU-measured)."""
-    return _compressed_tensors(x, amax, "cuda")
+compressed_tensors, compressed_tensors_cuda = _compressed_tensors
 
 
 def describe_modes() -> str:

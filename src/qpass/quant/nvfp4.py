@@ -273,16 +273,12 @@ def quantize_with_amax_modelopt(x: torch.Tensor, amax: torch.Tensor, *, spec: NV
         raise QuantizationError(f"the modelopt NVFP4 arithmetic has no bytes for amax == 0 ({describe(name, site)}: "
                                 "ModelOpt would divide by weight_scale_2 = 0)")
     s_dec = amax / torch.full_like(amax, FP4_E2M1_MAX * FP8_E4M3_MAX)
-    lead, k = x.shape[:-1], x.shape[-1]
-    xb = x.float().reshape(*lead, k // BLOCK, BLOCK)
-    vmax = xb.abs().amax(dim=-1)
+    xb, vmax = blocks_and_vmax(x)
     sf = vmax / (torch.full_like(s_dec, FP4_E2M1_MAX) * s_dec)
     sf = torch.where(sf == 0, torch.ones_like(sf), sf)
     s_b = e4m3_round_magnitude(torch.clamp(sf, min=MODELOPT_MIN_BLOCK_SCALE, max=FP8_E4M3_MAX))
     y = torch.clamp(xb / (s_b * s_dec).unsqueeze(-1), -FP4_E2M1_MAX, FP4_E2M1_MAX)
-    codes = e2m1_encode(y).reshape(*lead, k)
-    return NVFP4Tensor(codes=pack_e2m1(codes), scales=s_b.to(torch.float8_e4m3fn), s_dec=s_dec,
-                       s_enc=torch.ones_like(s_dec) / s_dec, amax=amax, shape=x.shape, orig_dtype=x.dtype, spec=spec)
+    return encode_scaled(x, y, s_b, s_dec=s_dec, s_enc=torch.ones_like(s_dec) / s_dec, amax=amax, spec=spec)
 
 
 def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec = NVFP4_WEIGHT) -> NVFP4Tensor:
@@ -296,12 +292,37 @@ def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, *, spec: NVFP4Spec =
     """
     amax = amax.float()
     s_enc, s_dec = global_scales(amax)
-    lead, k = x.shape[:-1], x.shape[-1]
-    xb = x.float().reshape(*lead, k // BLOCK, BLOCK)
-    vmax = xb.abs().amax(dim=-1)
+    xb, vmax = blocks_and_vmax(x)
     s_b = block_scales(vmax, s_enc)
     enc = element_multiplier(s_b, s_dec)
     y = torch.clamp(xb * enc.unsqueeze(-1), -6.0, 6.0)
+    return encode_scaled(x, y, s_b, s_dec=s_dec, s_enc=s_enc, amax=amax, spec=spec)
+
+
+def blocks_and_vmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (..., K)`` as float32 blocks ``(..., K/16, 16)`` and their max-abs ``vmax (..., K/16)``.
+
+    No checks: ``K % 16 == 0`` is the caller's (every quantizer validates first).
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    xb = x.float().reshape(*lead, k // BLOCK, BLOCK)
+    return xb, xb.abs().amax(dim=-1)
+
+
+def encode_scaled(
+    x: torch.Tensor, y: torch.Tensor, s_b: torch.Tensor, *, s_dec: torch.Tensor, s_enc: torch.Tensor,
+    amax: torch.Tensor, spec: NVFP4Spec,
+) -> NVFP4Tensor:
+    """E2M1-encode the already scaled and clamped float32 blocks ``y (..., K/16, 16)`` of ``x`` and
+    wrap them with their scales in an :class:`NVFP4Tensor` (the last step of every NVFP4 quantizer).
+
+    Args:
+        x: the tensor being quantized (gives ``shape`` and ``orig_dtype``), ``(..., K)``.
+        y: float32 ``x / (s_b * S_dec)`` in ``[-6, 6]``, no NaN.
+        s_b: float32 block scales ``(..., K/16)``, E4M3-representable (cast to ``float8_e4m3fn``).
+        s_dec, s_enc, amax, spec: stored as given.
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
     codes = e2m1_encode(y).reshape(*lead, k)
     return NVFP4Tensor(
         codes=pack_e2m1(codes),
@@ -352,11 +373,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     Returns:
         Tensor of ``q.shape`` and ``dtype``.
     """
-    vals = e2m1_decode(unpack_e2m1(q.codes))
-    lead, k = vals.shape[:-1], vals.shape[-1]
-    s = q.scales.to(torch.float32).unsqueeze(-1)
-    out = (vals.reshape(*lead, k // BLOCK, BLOCK) * s).reshape(*lead, k)
-    out = out * q.s_dec
+    out = nvfp4_operand(q, torch.float32) * q.s_dec
     return out if dtype == torch.float32 else out.to(dtype)
 
 

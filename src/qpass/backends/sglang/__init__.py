@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+from qpass.checkpoint.method import register_plugin
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions, checkpoint_quant_config
 from qpass.checkpoint.params import ParamSpec, linear_param_specs
 from qpass.backends.sglang.plugin import plugin_classes, sglang_available
@@ -37,27 +38,24 @@ def register() -> bool:
     Returns:
         True if registered, False if SGLang is not installed or registration failed (logged).
     """
-    if not sglang_available():
-        return False
+    return register_plugin("SGLang", sglang_available, _install, log)
+
+
+def _install() -> None:
+    import sglang.srt.layers.quantization as Q
+    from sglang.srt.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+
+    cfg_cls, method_cls = plugin_classes()
+    Q.QUANTIZATION_METHODS[METHOD_NAME] = cfg_cls
+    if method_cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
+        WEIGHT_LOADER_V2_SUPPORTED.append(method_cls.__name__)
     try:
-        import sglang.srt.layers.quantization as Q
-        from sglang.srt.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+        from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
 
-        cfg_cls, method_cls = plugin_classes()
-        Q.QUANTIZATION_METHODS[METHOD_NAME] = cfg_cls
-        if method_cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
-            WEIGHT_LOADER_V2_SUPPORTED.append(method_cls.__name__)
-        try:
-            from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
-
-            if METHOD_NAME not in QUANTIZATION_CHOICES:
-                add_quantization_method_choices([METHOD_NAME])
-        except ImportError:  # older SGLang: no CLI extension point; checkpoint-driven selection still works
-            log.info("sglang has no add_quantization_method_choices; --quantization %s will not parse", METHOD_NAME)
-        return True
-    except Exception as e:  # noqa: BLE001 - a plugin must never take the server down at import
-        log.warning("qpass: registering the %s SGLang quantization method failed: %r", METHOD_NAME, e)
-        return False
+        if METHOD_NAME not in QUANTIZATION_CHOICES:
+            add_quantization_method_choices([METHOD_NAME])
+    except ImportError:  # older SGLang: no CLI extension point; checkpoint-driven selection still works
+        log.info("sglang has no add_quantization_method_choices; --quantization %s will not parse", METHOD_NAME)
 
 
 __all__ = [

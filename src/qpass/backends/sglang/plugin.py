@@ -40,69 +40,40 @@ from typing import Any
 
 import torch
 
-from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
 from qpass.checkpoint.linear import activation_for_row_parallel, begin_loading, finish_loading, served_linear
-from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs, make_tensor
-from qpass.checkpoint.validate import check_all_loaded, checked_loader, init_load_record
+from qpass.checkpoint.method import (
+    LinearMethodFields,
+    engine_importable,
+    register_linear_params,
+    row_parallel_rac_error,
+    set_layer_sizes,
+)
+from qpass.checkpoint.params import NVFP4_BLOCK, linear_param_specs
+from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
+from qpass.checkpoint.validate import check_all_loaded, init_load_record
 from qpass.errors import QuantizationError
 
 
 def sglang_available() -> bool:
     """True if ``sglang`` (its quantization base classes) can be imported."""
-    try:
-        import sglang.srt.layers.quantization.base_config  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True
+    return engine_importable("sglang.srt.layers.quantization.base_config")
 
 
-@functools.lru_cache(maxsize=1)
-def plugin_classes() -> tuple[type, type]:
-    """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing SGLang's bases.
+def _linear_method_class(linear_method_base: type, param_classes: dict[str, type]) -> type:
+    """``QpassNvfp4LinearMethod`` (module docstring) on SGLang's ``LinearMethodBase``."""
 
-    Raises:
-        ImportError: SGLang is not installed.
-    """
-    from sglang.srt.layers.linear import LinearBase
-    from sglang.srt.layers.parameter import ModelWeightParameter, PerTensorScaleParameter
-    from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-
-    from qpass import ops as _ops  # noqa: F401 - registers torch.ops.qpass.nvfp4_linear
-
-    param_classes = {"ModelWeightParameter": ModelWeightParameter, "PerTensorScaleParameter": PerTensorScaleParameter}
-
-    class QpassNvfp4LinearMethod(LinearMethodBase):
+    class QpassNvfp4LinearMethod(LinearMethodFields, linear_method_base):
         """qpass NVFP4 linear (see module docstring)."""
-
-        def __init__(self, quant_config: "QpassNvfp4Config", prefix: str = "") -> None:
-            self.quant_config = quant_config
-            self.prefix = prefix
-            self.act = quant_config.options.act
-            self.rac = quant_config.options.rac_for(prefix, quant_config.packed_modules_mapping)
 
         def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                            input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-            weight_loader = extra_weight_attrs.get("weight_loader")
             init_load_record(layer, self.prefix, output_partition_sizes, k_sharded=input_size_per_partition != input_size)
-            for p in linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix):
-                cls = param_classes[p.kind]
-                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": checked_loader(layer, p.name, weight_loader)}
-                if p.kind == "ModelWeightParameter":
-                    kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
-                param = cls(**kw)
-                if p.scalar_to_array:
-                    param.needs_scalar_to_array = True
-                layer.register_parameter(p.name, param)
-            layer.params_dtype = params_dtype
+            register_linear_params(layer, linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix),
+                                   param_classes, extra_weight_attrs.get("weight_loader"), scalar_to_array=True)
             layer.quant_config = self.quant_config
-            layer.input_size_per_partition = input_size_per_partition
-            layer.output_size_per_partition = sum(output_partition_sizes)
+            set_layer_sizes(layer, params_dtype, input_size_per_partition, output_partition_sizes)
             if layer.qpass_k_sharded and self.rac is not None:
-                raise NotImplementedError(
-                    f"{METHOD_NAME}: layer {self.prefix} is row-parallel (K split {input_size} -> {input_size_per_partition}) "
-                    "and has residual compensation, whose channel ranking needs the whole K; use TP=1 for it or drop RAC there"
-                )
+                raise row_parallel_rac_error(self.prefix, input_size, input_size_per_partition, NotImplementedError)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             # a (re)load must bring every parameter of every shard (a partial update with codes but no
@@ -118,7 +89,14 @@ def plugin_classes() -> tuple[type, type]:
             group = _tp_group(layer) if self.act != "none" and getattr(layer, "qpass_k_sharded", False) else None
             return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
 
-    class QpassNvfp4Config(QuantizationConfig):
+    return QpassNvfp4LinearMethod
+
+
+def _config_class(quantization_config: type, linear_base: type, unquantized_method: type, linear: type) -> type:
+    """``QpassNvfp4Config`` on SGLang's ``QuantizationConfig``: ``linear`` methods for quantized
+    ``linear_base`` layers, ``unquantized_method`` for excluded ones."""
+
+    class QpassNvfp4Config(quantization_config):
         """``--quantization qpass_nvfp4`` (or ``quant_method: qpass_nvfp4`` in a checkpoint)."""
 
         def __init__(self, options: QpassQuantOptions | None = None) -> None:
@@ -162,16 +140,35 @@ def plugin_classes() -> tuple[type, type]:
             return None
 
         def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
-            if isinstance(layer, LinearBase):
+            if isinstance(layer, linear_base):
                 if self.options.is_excluded(prefix, self.packed_modules_mapping):
-                    return UnquantizedLinearMethod()
-                return QpassNvfp4LinearMethod(self, prefix)
+                    return unquantized_method()
+                return linear(self, prefix)
             return None
 
         def get_scaled_act_names(self) -> list[str]:
             return []
 
-    return QpassNvfp4Config, QpassNvfp4LinearMethod
+    return QpassNvfp4Config
+
+
+@functools.lru_cache(maxsize=1)
+def plugin_classes() -> tuple[type, type]:
+    """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing SGLang's bases.
+
+    Raises:
+        ImportError: SGLang is not installed.
+    """
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.parameter import ModelWeightParameter, PerTensorScaleParameter
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from qpass import ops as _ops  # noqa: F401 - registers torch.ops.qpass.nvfp4_linear
+
+    param_classes = {"ModelWeightParameter": ModelWeightParameter, "PerTensorScaleParameter": PerTensorScaleParameter}
+    linear = _linear_method_class(LinearMethodBase, param_classes)
+    return _config_class(QuantizationConfig, LinearBase, UnquantizedLinearMethod, linear), linear
 
 
 def _tp_group(layer: torch.nn.Module) -> object | None:

@@ -51,12 +51,22 @@ from typing import Any
 import torch
 
 from qpass.checkpoint.linear import finish_act_only_loading, finish_loading, served_act_linear, served_linear
+from qpass.checkpoint.method import (
+    LinearMethodFields,
+    engine_importable,
+    register_linear_params,
+    register_plugin,
+    row_parallel_rac_error,
+    set_layer_sizes,
+)
 from qpass.checkpoint.params import act_only_param_specs, linear_param_specs, make_tensor
 from qpass.checkpoint.qconfig import METHOD_NAME, QpassQuantOptions
-from qpass.checkpoint.validate import ACT_ONLY_CHECKED, CHECKED, check_all_loaded, checked_loader, init_load_record
+from qpass.checkpoint.validate import ACT_ONLY_CHECKED, CHECKED, check_all_loaded, init_load_record
 from qpass.errors import QuantizationError
 
 log = logging.getLogger(__name__)
+
+
 def _checked_moe_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
     """Wrap vLLM's FusedMoE weight loader: refuse a checkpoint tensor of the wrong dtype (naming the
     layer, expert and shard), and record ``(name, expert, shard)`` in ``layer.qpass_loaded`` when
@@ -79,29 +89,14 @@ def _checked_moe_loader(layer: torch.nn.Module, name: str, loader: Any) -> Any:
     return qpass_checked_moe_loader
 
 
-def _begin_layer(layer: torch.nn.Module, prefix: str, input_size_per_partition: int, input_size: int,
-                 output_partition_sizes: list[int]) -> None:
-    """The qpass attributes every linear method's ``create_weights`` sets first
-    (:func:`qpass.checkpoint.validate.init_load_record`: checkpoint site, row-parallel flag, the
-    (parameter, shard) load record, shard widths)."""
-    init_load_record(layer, prefix, output_partition_sizes, k_sharded=input_size_per_partition != input_size)
-
-
-def _end_layer(layer: torch.nn.Module, params_dtype: torch.dtype, input_size_per_partition: int,
-               output_partition_sizes: list[int]) -> None:
-    """The size attributes vLLM's linear layers read after ``create_weights``."""
-    layer.params_dtype = params_dtype
-    layer.input_size_per_partition = input_size_per_partition
-    layer.output_size_per_partition = sum(output_partition_sizes)
-
-
-@functools.lru_cache(maxsize=1)
-def plugin_classes() -> tuple[type, type]:
-    """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing vLLM's bases.
+def _vllm_bases() -> Any:
+    """The vLLM classes the plugin subclasses or builds (imported on first use).
 
     Raises:
         ImportError: vLLM is not installed.
     """
+    from types import SimpleNamespace
+
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
@@ -110,44 +105,44 @@ def plugin_classes() -> tuple[type, type]:
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
     from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
-    param_classes = {"ModelWeightParameter": ModelWeightParameter, "PerTensorScaleParameter": PerTensorScaleParameter}
+    return SimpleNamespace(
+        RoutedExperts=RoutedExperts, FusedMoEMethodBase=FusedMoEMethodBase, FusedMoeWeightScaleSupported=FusedMoeWeightScaleSupported,
+        UnquantizedFusedMoEMethod=UnquantizedFusedMoEMethod, LinearBase=LinearBase, LinearMethodBase=LinearMethodBase,
+        UnquantizedLinearMethod=UnquantizedLinearMethod, register_v2=register_weight_loader_v2_supported_method,
+        QuantizationConfig=QuantizationConfig,
+        param_classes={"ModelWeightParameter": ModelWeightParameter, "PerTensorScaleParameter": PerTensorScaleParameter},
+    )
 
-    @register_weight_loader_v2_supported_method
-    class QpassNvfp4LinearMethod(LinearMethodBase):
+
+def _tp_device_group() -> Any:
+    """vLLM's tensor-parallel device group (a row-parallel layer all-reduces its activation amax over it)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().device_group
+
+
+def _linear_method_class(v: Any) -> type:
+    """``QpassNvfp4LinearMethod`` (module docstring) on vLLM's bases ``v`` (:func:`_vllm_bases`)."""
+
+    @v.register_v2
+    class QpassNvfp4LinearMethod(LinearMethodFields, v.LinearMethodBase):
         """qpass NVFP4 linear for vLLM (module docstring)."""
-
-        def __init__(self, quant_config: "QpassNvfp4Config", prefix: str = "") -> None:
-            self.quant_config = quant_config
-            self.prefix = prefix
-            self.act = quant_config.options.act
-            self.rac = quant_config.options.rac_for(prefix, quant_config.packed_modules_mapping)
 
         def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                            input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-            weight_loader = extra_weight_attrs.get("weight_loader")
-            _begin_layer(layer, self.prefix, input_size_per_partition, input_size, output_partition_sizes)
+            init_load_record(layer, self.prefix, output_partition_sizes, k_sharded=input_size_per_partition != input_size)
             if layer.qpass_k_sharded and self.rac is not None and self.act != "none":
-                raise QuantizationError(
-                    f"{METHOD_NAME}: layer {self.prefix} is row-parallel (K split {input_size} -> {input_size_per_partition}) "
-                    "and has residual compensation, whose channel ranking needs the whole K; use TP=1 for it or drop RAC there"
-                )
-            for p in linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix):
-                kw: dict[str, Any] = {"data": make_tensor(p), "weight_loader": checked_loader(layer, p.name, weight_loader)}
-                if p.kind == "ModelWeightParameter":
-                    kw.update(input_dim=p.input_dim, output_dim=p.output_dim)
-                layer.register_parameter(p.name, param_classes[p.kind](**kw))
-            _end_layer(layer, params_dtype, input_size_per_partition, output_partition_sizes)
+                raise row_parallel_rac_error(self.prefix, input_size, input_size_per_partition, QuantizationError)
+            register_linear_params(layer, linear_param_specs(input_size_per_partition, output_partition_sizes, prefix=self.prefix),
+                                   v.param_classes, extra_weight_attrs.get("weight_loader"))
+            set_layer_sizes(layer, params_dtype, input_size_per_partition, output_partition_sizes)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             check_all_loaded(layer, self.prefix)
             finish_loading(layer, self.prefix, persistent=True, decode_cache=layer.weight.device.type == "cpu")
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            group = None
-            if self.act != "none" and layer.qpass_k_sharded:
-                from vllm.distributed import get_tp_group
-
-                group = get_tp_group().device_group
+            group = _tp_device_group() if self.act != "none" and layer.qpass_k_sharded else None
             if x.device.type == "cuda" and _triton_ready():
                 from qpass.ops import use_kernels
 
@@ -155,39 +150,61 @@ def plugin_classes() -> tuple[type, type]:
                     return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
             return served_linear(layer, x, bias, site=self.prefix, act=self.act, rac=self.rac, process_group=group)
 
-    @register_weight_loader_v2_supported_method
-    class QpassNvfp4ActLinearMethod(LinearMethodBase):
+    return QpassNvfp4LinearMethod
+
+
+def _act_method_class(v: Any) -> type:
+    """``QpassNvfp4ActLinearMethod`` (activation-only sites, module docstring) on vLLM's bases ``v``."""
+
+    @v.register_v2
+    class QpassNvfp4ActLinearMethod(LinearMethodFields, v.LinearMethodBase):
         """qpass activation-only linear (W16A4) for vLLM (module docstring)."""
 
-        def __init__(self, quant_config: "QpassNvfp4Config", prefix: str = "") -> None:
-            self.quant_config = quant_config
-            self.prefix = prefix
-            self.act = quant_config.options.act
+        uses_rac = False
 
         def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                            input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-            weight_loader = extra_weight_attrs.get("weight_loader")
-            _begin_layer(layer, self.prefix, input_size_per_partition, input_size, output_partition_sizes)
+            init_load_record(layer, self.prefix, output_partition_sizes, k_sharded=input_size_per_partition != input_size)
             layer.qpass_act_only = True
-            for p in act_only_param_specs(input_size_per_partition, output_partition_sizes, params_dtype, prefix=self.prefix):
-                layer.register_parameter(p.name, param_classes[p.kind](
-                    data=make_tensor(p), input_dim=p.input_dim, output_dim=p.output_dim,
-                    weight_loader=checked_loader(layer, p.name, weight_loader)))
-            _end_layer(layer, params_dtype, input_size_per_partition, output_partition_sizes)
+            register_linear_params(layer, act_only_param_specs(input_size_per_partition, output_partition_sizes, params_dtype,
+                                                               prefix=self.prefix),
+                                   v.param_classes, extra_weight_attrs.get("weight_loader"))
+            set_layer_sizes(layer, params_dtype, input_size_per_partition, output_partition_sizes)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             check_all_loaded(layer, self.prefix, ACT_ONLY_CHECKED)
             finish_act_only_loading(layer, self.prefix)
 
         def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            group = None
-            if layer.qpass_k_sharded:
-                from vllm.distributed import get_tp_group
-
-                group = get_tp_group().device_group
+            group = _tp_device_group() if layer.qpass_k_sharded else None
             return served_act_linear(layer, x, bias, site=self.prefix, act=self.act, process_group=group)
 
-    class QpassNvfp4FusedMoEMethod(FusedMoEMethodBase):
+    return QpassNvfp4ActLinearMethod
+
+
+def _expert_racs(options: QpassQuantOptions, prefix: str, num_experts: int, ckpt_names: dict[str, str]) -> tuple[list[Any], list[Any]]:
+    """Per-expert RAC of the fused gate/up input (``rac13``) and of ``down`` (``rac2``); None where off.
+
+    Raises:
+        QuantizationError: an expert's gate and up have different RAC settings (they share one input).
+    """
+    rac = options.rac
+    rac13, rac2 = [], []
+    for e in range(num_experts):
+        g, u = rac.get(f"{prefix}.{e}.{ckpt_names['w1']}"), rac.get(f"{prefix}.{e}.{ckpt_names['w3']}")
+        if g != u:
+            raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}, expert {e}: gate and up have different RAC "
+                                    f"settings ({g} vs {u}); they share one input")
+        rac13.append(g if g is not None and g.ratio > 0 else None)
+        r2 = rac.get(f"{prefix}.{e}.{ckpt_names['w2']}")
+        rac2.append(r2 if r2 is not None and r2.ratio > 0 else None)
+    return rac13, rac2
+
+
+def _moe_method_class(v: Any) -> type:
+    """``QpassNvfp4FusedMoEMethod`` (routed experts, :mod:`qpass.checkpoint.moe_layer`) on vLLM's bases ``v``."""
+
+    class QpassNvfp4FusedMoEMethod(v.FusedMoEMethodBase):
         """qpass NVFP4 routed experts for vLLM (:mod:`qpass.checkpoint.moe_layer`; module docstring)."""
 
         def __init__(self, quant_config: "QpassNvfp4Config", layer: torch.nn.Module, prefix: str) -> None:
@@ -196,17 +213,7 @@ def plugin_classes() -> tuple[type, type]:
             self.prefix = prefix
             self.act = quant_config.options.act
             self.ckpt_names = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
-            n = int(layer.moe_config.num_experts)
-            rac = quant_config.options.rac
-            self.rac13, self.rac2 = [], []
-            for e in range(n):
-                g, u = rac.get(f"{prefix}.{e}.{self.ckpt_names['w1']}"), rac.get(f"{prefix}.{e}.{self.ckpt_names['w3']}")
-                if g != u:
-                    raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}, expert {e}: gate and up have different RAC "
-                                            f"settings ({g} vs {u}); they share one input")
-                self.rac13.append(g if g is not None and g.ratio > 0 else None)
-                r2 = rac.get(f"{prefix}.{e}.{self.ckpt_names['w2']}")
-                self.rac2.append(r2 if r2 is not None and r2.ratio > 0 else None)
+            self.rac13, self.rac2 = _expert_racs(quant_config.options, prefix, int(layer.moe_config.num_experts), self.ckpt_names)
 
         @property
         def is_monolithic(self) -> bool:
@@ -235,8 +242,8 @@ def plugin_classes() -> tuple[type, type]:
             for p in moe_param_specs(num_experts, hidden_size, intermediate_size_per_partition, prefix=self.prefix):
                 param = torch.nn.Parameter(make_tensor(p), requires_grad=False)
                 layer.register_parameter(p.name, param)
-                kind = (FusedMoeWeightScaleSupported.TENSOR if p.name.endswith(("_scale_2", "_input_scale"))
-                        else FusedMoeWeightScaleSupported.BLOCK)
+                kind = (v.FusedMoeWeightScaleSupported.TENSOR if p.name.endswith(("_scale_2", "_input_scale"))
+                        else v.FusedMoeWeightScaleSupported.BLOCK)
                 set_weight_attrs(param, {**extra_weight_attrs, "quant_method": kind.value,
                                          "weight_loader": _checked_moe_loader(layer, p.name, weight_loader)})
 
@@ -264,7 +271,14 @@ def plugin_classes() -> tuple[type, type]:
             return served_moe(layer, x, topk_weights, topk_ids, act=self.act, rac13=self.rac13, rac2=self.rac2, site=self.prefix,
                               activation=act)
 
-    class QpassNvfp4Config(QuantizationConfig):
+    return QpassNvfp4FusedMoEMethod
+
+
+def _config_class(v: Any, linear: type, act_only: type, moe: type) -> type:
+    """``QpassNvfp4Config`` on vLLM's bases ``v``; ``get_quant_method`` hands out ``linear``,
+    ``act_only`` (``qpass_weight: "none"``) or ``moe`` methods, vLLM's unquantized ones for excluded layers."""
+
+    class QpassNvfp4Config(v.QuantizationConfig):
         """``quant_method: qpass_nvfp4`` in a checkpoint's ``quantization_config``."""
 
         def __init__(self, options: QpassQuantOptions | None = None) -> None:
@@ -293,34 +307,47 @@ def plugin_classes() -> tuple[type, type]:
             return cls(QpassQuantOptions.from_config(config))
 
         def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
-            if isinstance(layer, LinearBase):
+            if isinstance(layer, v.LinearBase):
                 if self.options.is_excluded(prefix, self.packed_modules_mapping):
-                    return UnquantizedLinearMethod()
+                    return v.UnquantizedLinearMethod()
                 if self.options.weight == "none":
-                    return QpassNvfp4ActLinearMethod(self, prefix)
-                return QpassNvfp4LinearMethod(self, prefix)
-            if isinstance(layer, RoutedExperts):
+                    return act_only(self, prefix)
+                return linear(self, prefix)
+            if isinstance(layer, v.RoutedExperts):
                 names = [f"{prefix}.0.{n}" for n in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)]
                 flags = [self.options.is_excluded(n) for n in names]
                 if all(flags):
-                    return UnquantizedFusedMoEMethod(layer.moe_config)
+                    return v.UnquantizedFusedMoEMethod(layer.moe_config)
                 if self.options.weight == "none":
                     raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}: qpass_weight 'none' (activation-only) has no "
                                             "FusedMoE method; exclude the experts or quantize their weights")
                 if any(flags):
                     raise QuantizationError(f"{METHOD_NAME}: MoE layer {prefix}: some expert projections excluded and some "
                                             f"quantized ({names}); FusedMoE holds one format")
-                return QpassNvfp4FusedMoEMethod(self, layer, prefix)
+                return moe(self, layer, prefix)
             return None
 
+    return QpassNvfp4Config
+
+
+@functools.lru_cache(maxsize=1)
+def plugin_classes() -> tuple[type, type]:
+    """``(QpassNvfp4Config, QpassNvfp4LinearMethod)`` subclassing vLLM's bases.
+
+    Raises:
+        ImportError: vLLM is not installed.
+    """
+    v = _vllm_bases()
+    linear, act_only, moe = _linear_method_class(v), _act_method_class(v), _moe_method_class(v)
+    config = _config_class(v, linear, act_only, moe)
     # Picklable by reference: vLLM's engine core runs in a spawned process (the default outside
     # ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and pickles the config; the child resolves
     # ``qpass.backends.vllm.plugin.QpassNvfp4Config`` through the module ``__getattr__`` below.
-    for c in (QpassNvfp4Config, QpassNvfp4LinearMethod, QpassNvfp4FusedMoEMethod, QpassNvfp4ActLinearMethod):
+    for c in (config, linear, moe, act_only):
         c.__module__, c.__qualname__ = __name__, c.__name__
-    _MOE_CLASS.append(QpassNvfp4FusedMoEMethod)
-    _ACT_CLASS.append(QpassNvfp4ActLinearMethod)
-    return QpassNvfp4Config, QpassNvfp4LinearMethod
+    _MOE_CLASS.append(moe)
+    _ACT_CLASS.append(act_only)
+    return config, linear
 
 
 _MOE_CLASS: list[type] = []
@@ -358,11 +385,7 @@ def __getattr__(name: str) -> type:
 
 def vllm_available() -> bool:
     """True if vLLM's quantization base classes import here."""
-    try:
-        import vllm.model_executor.layers.quantization.base_config  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True
+    return engine_importable("vllm.model_executor.layers.quantization.base_config")
 
 
 def register() -> bool:
@@ -371,18 +394,14 @@ def register() -> bool:
     Returns:
         True if registered, False if vLLM is not installed or registration failed (logged).
     """
-    if not vllm_available():
-        return False
-    try:
-        from vllm.model_executor.layers.quantization import register_quantization_config
+    return register_plugin("vLLM", vllm_available, _install, log)
 
 
-        cfg_cls, _ = plugin_classes()
-        register_quantization_config(METHOD_NAME)(cfg_cls)
-        return True
-    except Exception as e:  # noqa: BLE001 - a plugin must never take the engine down at import
-        log.warning("qpass: registering the qpass_nvfp4 vLLM quantization method failed: %r", e)
-        return False
+def _install() -> None:
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    cfg_cls, _ = plugin_classes()
+    register_quantization_config(METHOD_NAME)(cfg_cls)
 
 
 @functools.lru_cache(maxsize=1)

@@ -280,3 +280,19 @@ def pack_nibbles(codes, R: tl.constexpr, C: tl.constexpr):
     """int32 codes ``[R, C]`` (C even) -> uint8 bytes ``[R, C/2]`` with element 2j in the low nibble."""
     lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
     return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def load_tile_f32(x_ptr, stride_xm, rows, cols, M, K):
+    """Load ``x[rows, cols]`` (row stride ``stride_xm``, unit column stride) as float32 ``[BM, BK]``,
+    0 outside ``[M, K]``.
+
+    Returns ``(x, rmask [BM], mask [BM, BK], rows64 [BM] int64)``: the row mask, the tile mask and the
+    64-bit row ids every kernel's stores index with.
+    """
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < K)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, rmask, mask, rows64
+

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import FLT_MAX, INTERP, dot_acc, e4m3_byte, e4m3_round_mag, e4m3_value, rmax, to_out, ub
+from .common import FLT_MAX, INTERP, dot_acc, e4m3_byte, e4m3_round_mag, e4m3_value, load_tile_f32, rmax, to_out, ub
 
 
 @triton.jit
@@ -30,10 +30,7 @@ def _fp8_quant_kernel(
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
-    rmask = rows < M
-    mask = rmask[:, None] & (cols[None, :] < K)
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x, rmask, mask, rows64 = load_tile_f32(x_ptr, stride_xm, rows, cols, M, K)
     if GRAN == 0:
         amax = tl.full((BM,), 0.0, tl.float32) + tl.load(amax_ptr)
     elif GRAN == 1:

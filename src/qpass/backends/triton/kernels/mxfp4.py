@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import INTERP, e2m1_index, frexp_exp, pack_nibbles, rmax
+from .common import INTERP, e2m1_index, frexp_exp, load_tile_f32, pack_nibbles, rmax
 
 
 @triton.jit
@@ -19,10 +19,7 @@ def _mxfp4_quant_kernel(x_ptr, stride_xm, M, K, codes_ptr, scales_ptr, BM: tl.co
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
-    rmask = rows < M
-    mask = rmask[:, None] & (cols[None, :] < K)
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x, rmask, mask, rows64 = load_tile_f32(x_ptr, stride_xm, rows, cols, M, K)
     x3 = tl.reshape(x, (BM, BK // 32, 32))
     vmax = rmax(tl.abs(x3), 2)
     e = tl.where(vmax > 0.0, frexp_exp(tl.where(vmax > 0.0, vmax, 1.0)) - 1 - 2, -127)

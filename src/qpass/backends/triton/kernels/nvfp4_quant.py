@@ -27,6 +27,7 @@ from .common import (
     act_operand_bf16,
     e4m3_byte,
     frexp_exp,
+    load_tile_f32,
     nvfp4_block_scale,
     nvfp4_decode_f32,
     nvfp4_elem_mult,
@@ -71,6 +72,38 @@ def load_global(amax_ptr, rows, rmask, BM: tl.constexpr, PER_ROW: tl.constexpr):
 
 
 @triton.jit
+def store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, b0, s0, KW, BM: tl.constexpr, BK: tl.constexpr):
+    """Store one quantized tile, columns ``[c0, c0 + BK)`` of a row-major ``[M, KW]`` NVFP4 tensor,
+    given as its first code byte ``b0 = c0 / 2`` and first scale ``s0 = c0 / 16``.
+
+    ``codes`` int32 ``[BM, BK]`` (packed two per byte into ``codes_ptr``, uint8 ``[M, KW/2]``, low
+    nibble = even column), ``s_b`` float32 ``[BM, BK/16]`` (E4M3 bytes into ``scales_ptr``, uint8
+    ``[M, KW/16]``); rows outside ``rmask`` and bytes beyond ``KW`` are not written.
+    """
+    bcols = b0 + tl.arange(0, BK // 2)
+    tl.store(codes_ptr + rows64[:, None] * (KW // 2) + bcols[None, :], pack_nibbles(codes, BM, BK),
+             mask=rmask[:, None] & (bcols[None, :] < KW // 2))
+    scols = s0 + tl.arange(0, BK // 16)
+    tl.store(scales_ptr + rows64[:, None] * (KW // 16) + scols[None, :], e4m3_byte(s_b).to(tl.uint8),
+             mask=rmask[:, None] & (scols[None, :] < KW // 16))
+
+
+@triton.jit
+def store_global(senc_ptr, sdec_ptr, s_enc, s_dec, rows, rmask, first_col, first_tile, PER_ROW: tl.constexpr):
+    """Store the global scales ``s_enc``/``s_dec`` float32 ``[BM]``: per row (``[M]``, written by
+    the programs of the first column tile, ``first_col``) or per tensor (``[1]``, written once, by
+    the program whose ``first_tile`` is true; every row holds the same value)."""
+    if PER_ROW:
+        if first_col:
+            tl.store(senc_ptr + rows, s_enc, mask=rmask)
+            tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+    else:
+        if first_tile:
+            tl.store(senc_ptr, rmax(s_enc, 0))
+            tl.store(sdec_ptr, rmax(s_dec, 0))
+
+
+@triton.jit
 def _nvfp4_quant_kernel(
     x_ptr, stride_xm, M, K,
     amax_ptr, xhat_lim,
@@ -87,8 +120,6 @@ def _nvfp4_quant_kernel(
     pid_k = tl.program_id(1)
     cols = pid_k * BK + tl.arange(0, BK)
     cmask = cols < K
-    bcols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-    scols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
     shift = 0
     if SCORES:
         gamax = tl.load(gamax_bits_ptr).to(tl.float32, bitcast=True)
@@ -99,28 +130,16 @@ def _nvfp4_quant_kernel(
     colmax_acc = tl.full((BK,), 0, tl.int32)
     for it in tl.range(ROW_ITERS, num_stages=STAGES):
         rows = (pid_m * ROW_ITERS + it) * BM + tl.arange(0, BM)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x, rmask, mask, rows64 = load_tile_f32(x_ptr, stride_xm, rows, cols, M, K)
 
         s_enc, s_dec, mult = load_global(amax_ptr, rows, rmask, BM, PER_ROW)
         codes, s_b, xh, bx = nvfp4_quant_tile(x, s_dec, mult, BM, BK)
 
         if WRITE_CODES:
-            bmask = rmask[:, None] & (bcols[None, :] < K // 2)
-            tl.store(codes_ptr + rows64[:, None] * (K // 2) + bcols[None, :], pack_nibbles(codes, BM, BK), mask=bmask)
-            smask = rmask[:, None] & (scols[None, :] < K // 16)
-            tl.store(scales_ptr + rows64[:, None] * (K // 16) + scols[None, :], e4m3_byte(s_b).to(tl.uint8), mask=smask)
+            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, pid_k * (BK // 2), pid_k * (BK // 16), K, BM, BK)
         if WRITE_GLOBAL:
-            if PER_ROW:
-                if pid_k == 0:
-                    tl.store(senc_ptr + rows, tl.reshape(s_enc, (BM,)), mask=rmask)
-                    tl.store(sdec_ptr + rows, tl.reshape(s_dec, (BM,)), mask=rmask)
-            else:
-                if (pid_m == 0) & (pid_k == 0) & (it == 0):
-                    tl.store(senc_ptr, rmax(tl.reshape(s_enc, (BM,)), 0))
-                    tl.store(sdec_ptr, rmax(tl.reshape(s_dec, (BM,)), 0))
+            store_global(senc_ptr, sdec_ptr, tl.reshape(s_enc, (BM,)), tl.reshape(s_dec, (BM,)), rows, rmask,
+                         pid_k == 0, (pid_m == 0) & (pid_k == 0) & (it == 0), PER_ROW)
 
         xh_bf = act_operand_bf16(xh, xhat_lim)
         if WRITE_XHAT:
@@ -208,18 +227,28 @@ def launch_nvfp4_quant(
         SCORES=scores is not None, RSTATS=rcolmax is not None, RABS=rabs is not None, WRITE_BX=bx is not None,
         enable_fp_fusion=False,
     )
-    if INTERP or m <= 64:
+    launch_row_tiled(_nvfp4_quant_kernel, None if INTERP else _quant_tuned, "nvfp4_quant", args, flags, m, k,
+                     PER_ROW=per_row, WRITE_CODES=codes is not None, WRITE_XHAT=xhat is not None, SCORES=scores is not None,
+                     RSTATS=rcolmax is not None, RABS=rabs is not None)
+
+
+def launch_row_tiled(kernel, tuned, tile_name, args, flags, m, k, **tile_key):
+    """Launch a row-tiled ``[M, K]`` kernel of this family (``BM``/``BK``/``ROW_ITERS``/``STAGES``
+    meta-parameters, grid ``(cdiv(M, BM*ROW_ITERS), cdiv(K, BK))``, ``args[-1]`` = ``M_BUCKET``).
+
+    ``tuned``: the autotuned wrapper of ``kernel``, None under the interpreter. Without it or for
+    ``m <= 64``: :func:`pick_tile`. Otherwise the pinned tile of ``tile_name`` for ``tile_key``
+    (:func:`qpass.backends.triton.tiles.pinned_tile`) if there is one, else ``tuned``.
+    """
+    if tuned is None or m <= 64:
         bm, bk, row_iters, nw = pick_tile(m, k)
         grid = (triton.cdiv(m, bm * row_iters), triton.cdiv(k, bk))
-        _nvfp4_quant_kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
+        kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
+        return
+    tile = pinned_tile(tile_name, M_BUCKET=args[-1], K=k, **tile_key)
+    if tile is None:
+        grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
+        tuned[grid](*args, **flags)
     else:
-        tile = pinned_tile("nvfp4_quant", M_BUCKET=args[-1], K=k, PER_ROW=per_row, WRITE_CODES=codes is not None,
-                           WRITE_XHAT=xhat is not None, SCORES=scores is not None, RSTATS=rcolmax is not None,
-                           RABS=rabs is not None)
-        if tile is None:
-            grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
-            _quant_tuned[grid](*args, **flags)
-        else:
-            t = dict(tile.meta)
-            _nvfp4_quant_kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags,
-                                                                                                 **tile.kwargs())
+        t = dict(tile.meta)
+        kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags, **tile.kwargs())

@@ -21,16 +21,15 @@ from .common import (
     BF16_MAX,
     INTERP,
     act_operand_bf16,
-    e4m3_byte,
     e4m3_value,
+    load_tile_f32,
     nvfp4_decode_f32,
     nvfp4_global,
-    pack_nibbles,
     rmax,
     to_bf16,
     ub,
 )
-from .nvfp4_quant import load_global, nvfp4_quant_tile
+from .nvfp4_quant import launch_row_tiled, load_global, nvfp4_quant_tile, store_codes_scales, store_global
 
 
 @triton.jit
@@ -46,16 +45,11 @@ def _residual_masked_kernel(
     pid_k = tl.program_id(1)
     cols = pid_k * BK + tl.arange(0, BK)
     cmask = cols < K
-    bcols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-    scols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
     if not MASK_2D:
         chmask = tl.load(mask_ptr + cols, mask=cmask, other=0) != 0
     for it in tl.range(ROW_ITERS, num_stages=STAGES):
         rows = (pid_m * ROW_ITERS + it) * BM + tl.arange(0, BM)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x, rmask, mask, rows64 = load_tile_f32(x_ptr, stride_xm, rows, cols, M, K)
         _, xs_dec, xmult = load_global(amax_x_ptr, rows, rmask, BM, PER_ROW)
         _, _, xh, _ = nvfp4_quant_tile(x, xs_dec, xmult, BM, BK)
         r = x - act_operand_bf16(xh, xhat_lim).to(tl.float32)
@@ -65,19 +59,10 @@ def _residual_masked_kernel(
         if OPERAND:  # B_R (SPEC §3.1: S_dec_R goes to the compensation GEMM's alpha_R)
             rh = rb
         if WRITE_CODES:
-            bmask = rmask[:, None] & (bcols[None, :] < K // 2)
-            tl.store(codes_ptr + rows64[:, None] * (K // 2) + bcols[None, :], pack_nibbles(codes, BM, BK), mask=bmask)
-            smask = rmask[:, None] & (scols[None, :] < K // 16)
-            tl.store(scales_ptr + rows64[:, None] * (K // 16) + scols[None, :], e4m3_byte(s_b).to(tl.uint8), mask=smask)
+            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, pid_k * (BK // 2), pid_k * (BK // 16), K, BM, BK)
         if WRITE_GLOBAL:
-            if PER_ROW:
-                if pid_k == 0:
-                    tl.store(senc_ptr + rows, tl.reshape(rs_enc, (BM,)), mask=rmask)
-                    tl.store(sdec_ptr + rows, tl.reshape(rs_dec, (BM,)), mask=rmask)
-            else:
-                if (pid_m == 0) & (pid_k == 0) & (it == 0):
-                    tl.store(senc_ptr, rmax(tl.reshape(rs_enc, (BM,)), 0))
-                    tl.store(sdec_ptr, rmax(tl.reshape(rs_dec, (BM,)), 0))
+            store_global(senc_ptr, sdec_ptr, tl.reshape(rs_enc, (BM,)), tl.reshape(rs_dec, (BM,)), rows, rmask,
+                         pid_k == 0, (pid_m == 0) & (pid_k == 0) & (it == 0), PER_ROW)
         if WRITE_COMP:
             if MASK_2D:
                 sel = tl.load(mask_ptr + rows64[:, None] * K + cols[None, :], mask=mask, other=0) != 0
@@ -146,14 +131,8 @@ def _residual_gathered_kernel(
         k_start = pid_k * BKG
         k_stop = k_start + BKG
     s_enc, s_dec, mult = nvfp4_global(amax_g)
-    if WRITE_GLOBAL:
-        if PER_ROW:
-            tl.store(senc_ptr + rows, s_enc, mask=rmask)
-            tl.store(sdec_ptr + rows, s_dec, mask=rmask)
-        else:
-            if (pid_m == 0) & (pid_k == 0):
-                tl.store(senc_ptr, rmax(s_enc, 0))
-                tl.store(sdec_ptr, rmax(s_dec, 0))
+    if WRITE_GLOBAL:  # per row: the grid has one column of programs, each writes its rows
+        store_global(senc_ptr, sdec_ptr, s_enc, s_dec, rows, rmask, True, (pid_m == 0) & (pid_k == 0), PER_ROW)
     for k0 in range(ub(k_start), ub(k_stop), BKG):
         t = k0 + tl.arange(0, BKG)
         tmask = t < KP
@@ -164,12 +143,7 @@ def _residual_gathered_kernel(
             gh = gb
         omask = rmask[:, None] & tmask[None, :]
         if WRITE_CODES:
-            bt = k0 // 2 + tl.arange(0, BKG // 2)
-            tl.store(codes_ptr + rows64[:, None] * (KP // 2) + bt[None, :], pack_nibbles(codes, BM, BKG),
-                     mask=rmask[:, None] & (bt[None, :] < KP // 2))
-            st = k0 // 16 + tl.arange(0, BKG // 16)
-            tl.store(scales_ptr + rows64[:, None] * (KP // 16) + st[None, :], e4m3_byte(s_b).to(tl.uint8),
-                     mask=rmask[:, None] & (st[None, :] < KP // 16))
+            store_codes_scales(codes_ptr, scales_ptr, codes, s_b, rows64, rmask, k0 // 2, k0 // 16, KP, BM, BKG)
         comp = to_bf16(gh)
         if WRITE_COMP:
             tl.store(comp_ptr + rows64[:, None] * KP + t[None, :], comp, mask=omask)
@@ -177,8 +151,6 @@ def _residual_gathered_kernel(
             dmask = omask & (idx >= 0)
             tl.store(dense_ptr + rows64[:, None] * K + tl.maximum(idx, 0), comp, mask=dmask)
 
-
-from qpass.backends.triton.tiles import pinned_tile  # noqa: E402 - tile selection only (autotune or pinned)
 
 if not INTERP:
     from .nvfp4_quant import _bench, big_configs
@@ -193,8 +165,6 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
     """Masked-mode residual quantization over ``x [M, K]``; ``mask`` int8 ``[K]`` or ``[M, K]``;
     ``xhat_lim``: the activation operand's bound (``launch_nvfp4_quant``); ``operand``: ``comp`` is the
     GEMM operand ``B_R`` (``e2m1 * s_b``, SPEC §3.1) instead of the dequantized ``DQ(Q_R(R))``."""
-    from .nvfp4_quant import pick_tile
-
     m, k = x.shape
     dummy = amax_x
     args = (
@@ -208,20 +178,8 @@ def launch_residual_masked(x, amax_x, amax_r, per_row, mask, *, codes=None, scal
         PER_ROW=per_row, MASK_2D=mask.dim() == 2, WRITE_CODES=codes is not None, WRITE_COMP=comp is not None,
         WRITE_GLOBAL=s_enc is not None, OPERAND=operand, enable_fp_fusion=False,
     )
-    if INTERP or m <= 64:
-        bm, bk, row_iters, nw = pick_tile(m, k)
-        grid = (triton.cdiv(m, bm * row_iters), triton.cdiv(k, bk))
-        _residual_masked_kernel[grid](*args, BM=bm, BK=bk, ROW_ITERS=row_iters, STAGES=1, num_warps=nw, **flags)
-    else:
-        tile = pinned_tile("rac_masked", M_BUCKET=args[-1], K=k, PER_ROW=per_row, MASK_2D=mask.dim() == 2,
-                           WRITE_CODES=codes is not None, WRITE_COMP=comp is not None)
-        if tile is None:
-            grid = lambda meta: (triton.cdiv(m, meta["BM"] * meta["ROW_ITERS"]), triton.cdiv(k, meta["BK"]))  # noqa: E731
-            _masked_tuned[grid](*args, **flags)
-        else:
-            t = dict(tile.meta)
-            _residual_masked_kernel[(triton.cdiv(m, t["BM"] * t["ROW_ITERS"]), triton.cdiv(k, t["BK"]))](*args, **flags,
-                                                                                                      **tile.kwargs())
+    launch_row_tiled(_residual_masked_kernel, None if INTERP else _masked_tuned, "rac_masked", args, flags, m, k,
+                     PER_ROW=per_row, MASK_2D=mask.dim() == 2, WRITE_CODES=codes is not None, WRITE_COMP=comp is not None)
 
 
 def launch_residual_gathered(
