@@ -72,6 +72,7 @@ __all__ = [
     "Correction",
     "LossConfig",
     "LossOutput",
+    "correction_affected_frac",
     "correction_weights",
     "group_advantages",
     "grpo_loss",
@@ -223,6 +224,24 @@ def correction_weights(c: torch.Tensor, correction: Correction) -> tuple[torch.T
         keep = (c >= correction.lo) & (c <= correction.hi)
         return torch.where(keep, c, torch.zeros_like(c)), ~keep
     return c, torch.zeros_like(c, dtype=torch.bool)
+
+
+@torch.no_grad()
+def correction_affected_frac(logp_prox: torch.Tensor, logq: torch.Tensor, mask: torch.Tensor, correction: Correction) -> float:
+    """Fraction of the loss tokens whose weight ``correction`` changes (``corr/affected_frac``).
+
+    Args:
+        logp_prox, logq: float [N, R] proximal / behaviour log-probs (ratio ``c = exp(logp_prox - logq)``
+            in float64).
+        mask: bool [N, R] loss tokens.
+        correction: :class:`Correction` (:func:`correction_weights` says which tokens count as changed).
+    Returns:
+        affected tokens / tokens of ``mask``; NaN when ``mask`` selects none.
+    """
+    n_valid = int(mask.sum())
+    c = torch.exp(torch.where(mask, logp_prox.double() - logq.double(), torch.zeros_like(logp_prox, dtype=torch.float64)))
+    _, affected = correction_weights(c, correction)
+    return float((affected & mask).sum()) / n_valid if n_valid else float("nan")
 
 
 # --------------------------------------------------------------------------- loss
