@@ -117,7 +117,8 @@ def test_prefill_args_match_the_old_rollout_prefill():
 
 
 def test_study_prefill_capture_uses_the_shared_prefill(tiny_pipeline):
-    from qpass.apps.study.layerwise import SiteRecorder, capture_prefill
+    from qpass.apps.study.layerwise import capture_prefill
+    from qpass.diagnostics.capture import LinearInputRecorder
     from qpass.sampling import positions_from_mask
 
     _, ro = _engines(tiny_pipeline)
@@ -125,7 +126,7 @@ def test_study_prefill_capture_uses_the_shared_prefill(tiny_pipeline):
     got = capture_prefill(ro.qg, ids, am)
     mask = torch.zeros(4, ro.max_len, dtype=torch.long)  # what capture_prefill built inline before
     mask[:, :4] = am
-    rec = SiteRecorder(ro.qg.gm)
+    rec = LinearInputRecorder(ro.qg.gm, effective=True)
     rec.run(ids, positions_from_mask(am), torch.arange(4), mask)
     assert got.keys() == rec.acts.keys() and len(got) >= 14
     for sid in got:

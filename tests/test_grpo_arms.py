@@ -83,7 +83,7 @@ def test_moe_grpo_logs_routing_mismatch_and_replays_routes(moe_pipe):
         tr = tiny_trainer(moe_pipe, "quads_nvfp4_moe", cfg)
         assert tr.moe and tr.route_diag and tr.graph_ro.decode.mode == "off"
         rows[replay] = tr.step(final=True)
-        routes = tr._routes
+        routes = tr.last_sampled.routes
         assert set(routes) == {"layers.0", "layers.1"} and routes["layers.0"].shape[-1] == 2  # top-2
     off, on = rows[False], rows[True]
     for r in (off, on):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qpass.apps.grpo.phases import SampleInput, sample
 from tests.test_grpo import _one_thread, tiny_cfg, tiny_trainer  # noqa: F401 - _one_thread: autouse, 1 torch thread
 
 
@@ -32,8 +33,7 @@ def test_naive_and_qat_only_share_the_step0_rollout(tiny_pipeline):
         init = tr.initial_checks()
         served = {k: (v.codes.clone(), v.scales.view(torch.uint8).clone(), v.global_scale.clone())
                   for k, v in tr.ro.served_weights().items()}
-        rows = [ids for ids in tr._encode(next(tr.batches)) for _ in range(tr.cfg.group_size)]
-        exp, _ = tr._sample(rows, 1)
+        exp = sample(tr, SampleInput.of(tr, 1, next(tr.batches))).exp
         out[recipe] = (served, exp, init)
     (sa, ea, ia), (sb, eb, ib) = out["naive_nvfp4"], out["qat_only"]
     assert "parity/bitexact_ok" not in ia and ib["parity/bitexact_ok"] is True

@@ -42,44 +42,27 @@ __all__ = ["ApplyOptions", "gap_options", "main_apply", "main_check", "run_apply
            "uncaptured_linears"]
 
 
-def _prefill_args(rollout: QGraph, batch: Any) -> tuple:
-    """Step-graph arguments that run a whole sampled batch as one prefill (for activation capture)."""
-    from qpass.runtime.prefill import step_prefill_args
-
-    return step_prefill_args(batch.input_ids, batch.attention_mask, batch_size=int(rollout.captured.batch_size),
-                             max_len=int(rollout.captured.max_len))
-
-
 def activation_diagnostics(learner: QGraph, rollout: QGraph, batch: Any,
                            skipped: list[str] | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Per-site relative input mismatch on one sampled batch (valid tokens only), plus the raw inputs.
 
-    Sites whose input is not one row per token of the batch (MoE expert linears: the tokens routed
-    to that expert, a set that can differ between the two sides) have no row-aligned comparison;
-    they are left out of the result and their ids appended to ``skipped``.
-    """
-    from qpass.diagnostics.capture import capture_linear_inputs
-    from qpass.diagnostics.robust import norm_ratio
-    from qpass.sampling import positions_from_mask
+    The shared capture-and-compare (:func:`qpass.diagnostics.capture.compare_graph_inputs`, in the
+    rollout's site order; a non-finite activation gives that site's plain norm ratio, NaN/inf, rather
+    than an error). Sites whose input is not one row per token of the batch (MoE expert linears: the
+    tokens routed to that expert, a set that can differ between the two sides) have no row-aligned
+    comparison; they are left out of the result and their ids appended to ``skipped``.
 
-    with torch.no_grad():
-        la = capture_linear_inputs(learner.gm, (batch.input_ids, batch.attention_mask, positions_from_mask(batch.attention_mask)))
-        ra = capture_linear_inputs(rollout.gm, _prefill_args(rollout, batch))
-    rows = batch.attention_mask.reshape(-1).bool().cpu()
-    rel = {}
-    for sid in rollout.sites:
-        if sid in la and sid in ra:
-            if la[sid].reshape(-1, la[sid].shape[-1]).shape[0] != rows.numel() or \
-                    ra[sid].reshape(-1, ra[sid].shape[-1]).shape[0] != rows.numel():
-                del la[sid], ra[sid]
-                if skipped is not None:
-                    skipped.append(sid)
-                continue
-            xl, xr = la[sid].float().cpu()[rows], ra[sid].float().cpu()[rows]
-            la[sid], ra[sid] = xl, xr
-            # float64 (a float32 norm of activations above ~1e19 overflows: inf / inf = NaN); 0 if both are 0
-            rel[sid] = norm_ratio(xr.double() - xl.double(), xl)
-    return rel, la, ra
+    Returns:
+        ``(rel, learner_rows, rollout_rows)``: ``{site: rel}`` and each side's valid-token inputs
+        float32 ``[n_valid, K]`` on CPU.
+    """
+    from qpass.diagnostics.capture import compare_graph_inputs
+
+    cmp = compare_graph_inputs(learner, rollout, batch.input_ids, batch.attention_mask, order=list(rollout.sites),
+                               nonfinite="nan")
+    if skipped is not None:
+        skipped.extend(cmp.skipped)
+    return cmp.rel(), cmp.learner_rows, cmp.rollout_rows
 
 
 def _pick_rac_site(rollout: QGraph, acts: dict[str, torch.Tensor]) -> str | None:
@@ -179,35 +162,42 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
                 diag["plots_skipped"] = f"{type(exc).__name__}: {exc}"
             timings["diagnostics_s"] = time.perf_counter() - t0
 
-        with phase("write the artifacts", total=1 + o.save_learner + (cal is not None), unit="file set") as ph:
-            t0 = time.perf_counter()
-            files: dict[str, Any] = {"rollout": save_rollout(rollout, tmp / "rollout", recipe.text,
-                                                             {"recipe": recipe.name, "qpass_version": __version__})}
-            ph.advance(note="rollout/")
-            if o.save_learner:
-                files["learner"] = {"state": "learner/model.safetensors",
-                                    "tensors": save_learner(learner, tmp / "learner" / "model.safetensors")}
-                ph.advance(note="learner/")
-            if cal is not None:  # the calibration the rollout was built with, for `qpass check` / `qpass export DIR`
-                from qpass.calibration.run import graph_requests
-
-                import shutil
-
-                from qpass.calibration.record import JSON_NAME, TENSORS_NAME
-
-                (tmp / "calibration").mkdir()
-                for name in (JSON_NAME, TENSORS_NAME):  # byte for byte: check re-verifies the same sha256
-                    shutil.copyfile(cal.path / name, tmp / "calibration" / name)
-                req = graph_requests(rollout)
-                files["calibration"] = {"dir": "calibration", **cal.summary(), "path": str(o.calibration),
-                                        "static_act_sites_used": len(req.amax), "static_rac_sites_used": len(req.rac)}
-                ph.advance(note="calibration/")
-            timings["write_s"] = time.perf_counter() - t0
+        files = _write_artifacts(o, recipe, learner, rollout, cal, tmp, timings)
         report = build_report(recipe, o, lm, pipe, learner, rollout, results, kernels_eff, bsz, max_len, gopt, diag, plots,
                               files, timings | {"total_s": time.perf_counter() - t_all})
         write_report(tmp, report)
     print_summary(con, report, out)
     return (0 if report["ok"] else 1), report
+
+
+def _write_artifacts(o: ApplyOptions, recipe: Recipe, learner: QGraph, rollout: QGraph, cal: Any, tmp: Path,
+                     timings: dict[str, float]) -> dict[str, Any]:
+    """Write ``rollout/`` (and ``learner/``, ``calibration/``) under ``tmp``; returns the report's ``files`` entry."""
+    with phase("write the artifacts", total=1 + o.save_learner + (cal is not None), unit="file set") as ph:
+        t0 = time.perf_counter()
+        files: dict[str, Any] = {"rollout": save_rollout(rollout, tmp / "rollout", recipe.text,
+                                                         {"recipe": recipe.name, "qpass_version": __version__})}
+        ph.advance(note="rollout/")
+        if o.save_learner:
+            files["learner"] = {"state": "learner/model.safetensors",
+                                "tensors": save_learner(learner, tmp / "learner" / "model.safetensors")}
+            ph.advance(note="learner/")
+        if cal is not None:  # the calibration the rollout was built with, for `qpass check` / `qpass export DIR`
+            from qpass.calibration.run import graph_requests
+
+            import shutil
+
+            from qpass.calibration.record import JSON_NAME, TENSORS_NAME
+
+            (tmp / "calibration").mkdir()
+            for name in (JSON_NAME, TENSORS_NAME):  # byte for byte: check re-verifies the same sha256
+                shutil.copyfile(cal.path / name, tmp / "calibration" / name)
+            req = graph_requests(rollout)
+            files["calibration"] = {"dir": "calibration", **cal.summary(), "path": str(o.calibration),
+                                    "static_act_sites_used": len(req.amax), "static_rac_sites_used": len(req.rac)}
+            ph.advance(note="calibration/")
+        timings["write_s"] = time.perf_counter() - t0
+    return files
 
 
 def _load_calibration(o: ApplyOptions) -> Any:

@@ -1,6 +1,6 @@
 """RL: GRPO loss with decoupled importance correction (SPEC §5) and the arithmetic task."""
 
-from qpass.rl.loss import Correction, LossConfig, LossOutput, correction_weights, group_advantages, grpo_loss
+from qpass.rl.loss import Correction, LossConfig, LossOutput, correction_affected_frac, correction_weights, group_advantages, grpo_loss
 from qpass.rl.task import (
     DEFAULT_TEMPLATE,
     ArithmeticConfig,
@@ -28,6 +28,7 @@ __all__ = [
     "LossOutput",
     "RewardFn",
     "SafeReward",
+    "correction_affected_frac",
     "correction_weights",
     "difficulty_preset",
     "evaluate_expression",

@@ -72,6 +72,7 @@ __all__ = [
     "Correction",
     "LossConfig",
     "LossOutput",
+    "correction_affected_frac",
     "correction_weights",
     "group_advantages",
     "grpo_loss",
@@ -225,6 +226,24 @@ def correction_weights(c: torch.Tensor, correction: Correction) -> tuple[torch.T
     return c, torch.zeros_like(c, dtype=torch.bool)
 
 
+@torch.no_grad()
+def correction_affected_frac(logp_prox: torch.Tensor, logq: torch.Tensor, mask: torch.Tensor, correction: Correction) -> float:
+    """Fraction of the loss tokens whose weight ``correction`` changes (``corr/affected_frac``).
+
+    Args:
+        logp_prox, logq: float [N, R] proximal / behaviour log-probs (ratio ``c = exp(logp_prox - logq)``
+            in float64).
+        mask: bool [N, R] loss tokens.
+        correction: :class:`Correction` (:func:`correction_weights` says which tokens count as changed).
+    Returns:
+        affected tokens / tokens of ``mask``; NaN when ``mask`` selects none.
+    """
+    n_valid = int(mask.sum())
+    c = torch.exp(torch.where(mask, logp_prox.double() - logq.double(), torch.zeros_like(logp_prox, dtype=torch.float64)))
+    _, affected = correction_weights(c, correction)
+    return float((affected & mask).sum()) / n_valid if n_valid else float("nan")
+
+
 # --------------------------------------------------------------------------- loss
 
 
@@ -301,6 +320,79 @@ def _masked_stat(x: torch.Tensor, sel: torch.Tensor, how: str) -> float:
     if how == "mean" and pow2_exponent(float(v.abs().max()), v.numel()):  # huge finite values: rescaled sum
         return stable_mean(v, v.numel())
     return float({"mean": v.mean, "min": v.min, "max": v.max}[how]())
+
+
+def _k3_kl(lp: torch.Tensor, lref: torch.Tensor, valid: torch.Tensor, cfg: LossConfig,
+           normalizer: float | None) -> tuple[torch.Tensor, int]:
+    """The aggregated k3 estimator of ``KL(p_theta || p_ref)`` (gradient through ``lp``) and the number of
+    valid tokens dropped for a non-finite ``log p_ref - log p_theta`` (ValueError under ``nonfinite='raise'``)."""
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    with torch.no_grad():
+        u0 = torch.where(valid, lref - lp.detach(), zero)
+        if cfg.kl_log_ratio_clamp is not None:
+            u0 = u0.clamp(-cfg.kl_log_ratio_clamp, cfg.kl_log_ratio_clamp)
+        kl_ok = valid & torch.isfinite(u0) & torch.isfinite(torch.expm1(torch.where(torch.isfinite(u0), u0, zero)))
+        n_kl_dropped = int((valid & ~kl_ok).sum())
+        if cfg.nonfinite == "raise" and n_kl_dropped:
+            raise ValueError(f"{n_kl_dropped} valid token(s) with a non-finite log p_ref - log p_theta; cfg.nonfinite='raise'")
+    u = torch.where(kl_ok, lref - lp, zero)
+    if cfg.kl_log_ratio_clamp is not None:
+        u = u.clamp(-cfg.kl_log_ratio_clamp, cfg.kl_log_ratio_clamp)
+    k3 = torch.expm1(u) - u  # e^u - u - 1, exactly 0 off kl_ok
+    return _aggregate(k3, valid, cfg.agg, normalizer), n_kl_dropped
+
+
+def _loss_stats(cfg: LossConfig, loss: torch.Tensor, pg_loss: torch.Tensor, kl_loss: torch.Tensor, kl_val: torch.Tensor | None,
+                n_kl_dropped: int, valid: torch.Tensor, ok: torch.Tensor, drop: torch.Tensor, affected: torch.Tensor,
+                r: torch.Tensor, a: torch.Tensor, lp: torch.Tensor, lq: torch.Tensor, c_raw: torch.Tensor,
+                c_bar: torch.Tensor) -> dict[str, float]:
+    """The ``stats`` of :func:`grpo_loss` (its docstring lists the keys)."""
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    with torch.no_grad():
+        n_tok = int(valid.sum())
+        den = max(n_tok, 1)
+        branch = ppo_clip_branch(r.detach(), a, cfg.eps_low, cfg.eps_high)
+        c_low = int((ok & (branch == CLIPPED_LOW)).sum())
+        c_high = int((ok & (branch == CLIPPED_HIGH)).sum())
+        pos, neg = ok & (a > 0), ok & (a < 0)
+        # the coupled ratio p_theta / q on the same tokens, whatever ratio the loss uses
+        log_rc = torch.where(ok, lp.detach() - lq, zero)
+        branch_c = ppo_clip_branch(torch.exp(log_rc), a, cfg.eps_low, cfg.eps_high)
+        n_pos, n_neg = int(pos.sum()), int(neg.sum())
+        c64 = c_raw.double()
+        stats = {
+            "loss": float(loss.detach()),
+            "pg_loss": float(pg_loss.detach()),
+            "kl_loss": float(kl_loss.detach()) if cfg.beta > 0 else 0.0,
+            "n_tokens": float(n_tok),
+            "n_seqs": float((valid.sum(-1) > 0).sum()),
+            "n_dropped": float(drop.sum()),
+            "dropped_frac": float(drop.sum()) / den,
+            "n_kl_dropped": float(n_kl_dropped),
+            "clip_frac": (c_low + c_high) / den,
+            "clip_low_frac": c_low / den,
+            "clip_high_frac": c_high / den,
+            "n_pos": float(n_pos),
+            "n_neg": float(n_neg),
+            "n_clip_pos": float(c_high),
+            "n_clip_neg": float(c_low),
+            "clip_pos_frac": c_high / n_pos if n_pos else float("nan"),
+            "clip_neg_frac": c_low / n_neg if n_neg else float("nan"),
+            "n_coupled_clip_pos": float(int((pos & (branch_c == CLIPPED_HIGH)).sum())),
+            "n_coupled_clip_neg": float(int((neg & (branch_c == CLIPPED_LOW)).sum())),
+            "ratio_mean": _masked_stat(r.detach().double(), ok, "mean"),
+            "ratio_min": _masked_stat(r.detach().double(), ok, "min"),
+            "ratio_max": _masked_stat(r.detach().double(), ok, "max"),
+            "c_mean": _masked_stat(c64, ok, "mean"),
+            "c_min": _masked_stat(c64, ok, "min"),
+            "c_max": _masked_stat(c64, ok, "max"),
+            "cbar_mean": stable_mean(c_bar.double(), den),
+            "tis_truncated_frac": float((ok & affected).sum()) / den if cfg.correction.kind == "tis" else 0.0,
+            "mis_masked_frac": float((ok & affected).sum()) / den if cfg.correction.kind == "mis" else 0.0,
+        }
+        if kl_val is not None:
+            stats["kl"] = float(kl_val.detach())
+    return stats
 
 
 def grpo_loss(
@@ -407,68 +499,12 @@ def grpo_loss(
     per_tok = -(c_bar * surr)  # exactly 0 off ok (c_bar = 0, surr finite)
     pg_loss = _aggregate(per_tok, valid, cfg.agg, normalizer)
 
-    kl_val = zero
-    n_kl_dropped = 0
+    kl_val, n_kl_dropped = zero, 0
     if logp_ref is not None:
-        lref = logp_ref.detach().to(dev, dtype)
-        with torch.no_grad():
-            u0 = torch.where(valid, lref - lp.detach(), zero)
-            if cfg.kl_log_ratio_clamp is not None:
-                u0 = u0.clamp(-cfg.kl_log_ratio_clamp, cfg.kl_log_ratio_clamp)
-            kl_ok = valid & torch.isfinite(u0) & torch.isfinite(torch.expm1(torch.where(torch.isfinite(u0), u0, zero)))
-            n_kl_dropped = int((valid & ~kl_ok).sum())
-            if cfg.nonfinite == "raise" and n_kl_dropped:
-                raise ValueError(f"{n_kl_dropped} valid token(s) with a non-finite log p_ref - log p_theta; cfg.nonfinite='raise'")
-        u = torch.where(kl_ok, lref - lp, zero)
-        if cfg.kl_log_ratio_clamp is not None:
-            u = u.clamp(-cfg.kl_log_ratio_clamp, cfg.kl_log_ratio_clamp)
-        k3 = torch.expm1(u) - u  # e^u - u - 1, exactly 0 off kl_ok
-        kl_val = _aggregate(k3, valid, cfg.agg, normalizer)
+        kl_val, n_kl_dropped = _k3_kl(lp, logp_ref.detach().to(dev, dtype), valid, cfg, normalizer)
     kl_loss = cfg.beta * kl_val if cfg.beta > 0 else zero
     loss = pg_loss + kl_loss
 
-    with torch.no_grad():
-        n_tok = int(valid.sum())
-        den = max(n_tok, 1)
-        branch = ppo_clip_branch(r.detach(), a, cfg.eps_low, cfg.eps_high)
-        c_low = int((ok & (branch == CLIPPED_LOW)).sum())
-        c_high = int((ok & (branch == CLIPPED_HIGH)).sum())
-        pos, neg = ok & (a > 0), ok & (a < 0)
-        # the coupled ratio p_theta / q on the same tokens, whatever ratio the loss uses
-        log_rc = torch.where(ok, lp.detach() - lq, zero)
-        branch_c = ppo_clip_branch(torch.exp(log_rc), a, cfg.eps_low, cfg.eps_high)
-        n_pos, n_neg = int(pos.sum()), int(neg.sum())
-        c64 = c_raw.double()
-        stats = {
-            "loss": float(loss.detach()),
-            "pg_loss": float(pg_loss.detach()),
-            "kl_loss": float(kl_loss.detach()) if cfg.beta > 0 else 0.0,
-            "n_tokens": float(n_tok),
-            "n_seqs": float((valid.sum(-1) > 0).sum()),
-            "n_dropped": float(drop.sum()),
-            "dropped_frac": float(drop.sum()) / den,
-            "n_kl_dropped": float(n_kl_dropped),
-            "clip_frac": (c_low + c_high) / den,
-            "clip_low_frac": c_low / den,
-            "clip_high_frac": c_high / den,
-            "n_pos": float(n_pos),
-            "n_neg": float(n_neg),
-            "n_clip_pos": float(c_high),
-            "n_clip_neg": float(c_low),
-            "clip_pos_frac": c_high / n_pos if n_pos else float("nan"),
-            "clip_neg_frac": c_low / n_neg if n_neg else float("nan"),
-            "n_coupled_clip_pos": float(int((pos & (branch_c == CLIPPED_HIGH)).sum())),
-            "n_coupled_clip_neg": float(int((neg & (branch_c == CLIPPED_LOW)).sum())),
-            "ratio_mean": _masked_stat(r.detach().double(), ok, "mean"),
-            "ratio_min": _masked_stat(r.detach().double(), ok, "min"),
-            "ratio_max": _masked_stat(r.detach().double(), ok, "max"),
-            "c_mean": _masked_stat(c64, ok, "mean"),
-            "c_min": _masked_stat(c64, ok, "min"),
-            "c_max": _masked_stat(c64, ok, "max"),
-            "cbar_mean": stable_mean(c_bar.double(), den),
-            "tis_truncated_frac": float((ok & affected).sum()) / den if cfg.correction.kind == "tis" else 0.0,
-            "mis_masked_frac": float((ok & affected).sum()) / den if cfg.correction.kind == "mis" else 0.0,
-        }
-        if logp_ref is not None:
-            stats["kl"] = float(kl_val.detach())
+    stats = _loss_stats(cfg, loss, pg_loss, kl_loss, kl_val if logp_ref is not None else None, n_kl_dropped, valid, ok,
+                        drop, affected, r, a, lp, lq, c_raw, c_bar)
     return LossOutput(loss, stats)

@@ -13,9 +13,9 @@ same graph with the same weights and schedule, so ``q_bf16 == q`` bit for bit (t
 shadow is what it says).
 
 **Layer-wise probe** (SPEC §4). A fixed batch of ``B`` prompt-only sequences is run through the
-learner scoring graph and through the rollout step graph in prefill mode with
-:func:`qpass.diagnostics.capture.capture_linear_inputs`; :func:`qpass.diagnostics.layerwise_mismatch`
-compares the inputs of each linear site over the real (non-padding) tokens.
+learner scoring graph and through the rollout step graph in prefill mode and the inputs of each
+linear site are compared over the real (non-padding) tokens
+(:func:`qpass.diagnostics.capture.compare_graph_inputs`, the capture-and-compare apply and the study use).
 
 **Evaluation.** Held-out problems answered by the rollout graph (the engine that would serve the
 policy), greedily by default (``top_p`` tiny keeps only the most likely token), scored with the
@@ -31,12 +31,10 @@ from typing import Any
 import torch
 
 from qpass.progress import track
-from qpass.diagnostics.capture import capture_linear_inputs
-from qpass.diagnostics.layerwise import SiteMismatch, layerwise_mismatch
+from qpass.diagnostics.capture import compare_graph_inputs
+from qpass.diagnostics.layerwise import SiteMismatch
 from qpass.graph.qgraph import QGraph
-from qpass.sampling import positions_from_mask
 from qpass.rl.experience import Experience, assemble, decode_responses
-from qpass.runtime.prefill import step_prefill_args
 from qpass.rl.task import exact_answer_reward
 
 __all__ = ["GREEDY_TOP_P", "evaluate", "layerwise_probe", "layerwise_summary", "prompt_batch", "score_sampled",
@@ -146,17 +144,15 @@ def layerwise_probe(learner: QGraph, rollout: QGraph, input_ids: torch.Tensor, a
         rollout: rollout :class:`QGraph` (kind ``step``); its KV cache is overwritten.
         input_ids, attention_mask: int64 ``[B, T]`` with ``B`` the rollout graph's static batch.
     Returns:
-        ``{site: SiteMismatch}`` over the sites both graphs have, real tokens only.
+        ``{site: SiteMismatch}`` over the sites both graphs have, real tokens only, in the learner's order;
+        sites whose input is not one row per token (MoE expert linears) are left out.
     Raises:
         ValueError: the batch is not the rollout graph's static batch size.
     """
     b = int(rollout.captured.batch_size)
     if input_ids.shape[0] != b:
         raise ValueError(f"layerwise_probe: the probe batch must have the rollout's static batch size {b}, got {input_ids.shape[0]}")
-    am = attention_mask.long()
-    acts_l = capture_linear_inputs(learner.gm, (input_ids, am, positions_from_mask(am)))
-    acts_r = capture_linear_inputs(rollout.gm, step_prefill_args(input_ids, am, batch_size=b, max_len=int(rollout.captured.max_len)))
-    return layerwise_mismatch(acts_l, acts_r, am.reshape(-1).bool(), strict=False)
+    return {s: m["pre"] for s, m in compare_graph_inputs(learner, rollout, input_ids, attention_mask).per_site.items()}
 
 
 def layerwise_summary(per_site: dict[str, SiteMismatch]) -> dict[str, object]:
