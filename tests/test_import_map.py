@@ -57,10 +57,6 @@ DEPRECATED_COMPILER_PATHS = {
 #: src modules still on an old path, in files other work owns (backends/, apps/grpo/): this list may
 #: only shrink -- move an entry to the new path when its file is next edited, then delete it here.
 STILL_ON_OLD_PATHS = {
-    ("qpass.apps.grpo.cli", "qpass.pipeline"),
-    ("qpass.apps.grpo.cli", "qpass.recipe"),
-    ("qpass.backends.onnx.export", "qpass.recipe"),
-    ("qpass.backends.onnx.graph_export", "qpass.pm"),
     ("qpass.backends.triton.bench", "qpass.pipeline"),
     ("qpass.backends.triton.bench_e2e", "qpass.pipeline"),
     ("qpass.backends.triton.bench_e2e", "qpass.recipe"),

@@ -308,7 +308,7 @@ def _load_reward(spec: str, format_weight: float) -> Any:
 
 def _recipes(spec: str) -> list[Any]:
     from qpass.errors import RecipeError
-    from qpass.recipe import load_recipe
+    from qpass.compiler.recipe import load_recipe
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
@@ -521,7 +521,7 @@ def _vllm_engine(a: argparse.Namespace, pipe: Any, rollout: Any) -> Any:
     """The vLLM engine context for ``--rollout-engine vllm``: the recipe's rollout side exported from the
     initial master weights (:func:`qpass.apps.engines.vllm_rollout`), one live engine for the whole run."""
     from qpass.apps.engines import vllm_rollout
-    from qpass.pipeline import DTYPES
+    from qpass.compiler.pipeline import DTYPES
     from qpass.prompts import encode_chat, probe_prompts
 
     cap = pipe.base_step.captured
@@ -627,7 +627,7 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
 
     from qpass.graph.model import load_model
     from qpass.ops import use_kernels
-    from qpass.pipeline import DTYPES, Pipeline
+    from qpass.compiler.pipeline import DTYPES, Pipeline
     from qpass.apps.grpo.plots import plot_runs
     from qpass.rl.task import KINDS, TEMPLATES, ArithmeticTask, task_preset
 
@@ -671,7 +671,7 @@ def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: li
         summaries = {}
         shadow = None
         if not a.no_shadow:  # the BF16 shadow: the bf16 recipe's rollout engine, built once for every recipe
-            from qpass.recipe import load_recipe
+            from qpass.compiler.recipe import load_recipe
             from qpass.runtime.engine import make_rollout_engine
 
             tok = lm.tokenizer

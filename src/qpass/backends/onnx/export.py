@@ -105,7 +105,7 @@ def sites_from_artifacts(directory: str | Path) -> list[SiteLinear]:
 
     from qpass.formats.spec import ALL_SPECS
     from qpass.graph.sites import _matches
-    from qpass.recipe import parse_recipe
+    from qpass.compiler.recipe import parse_recipe
     from qpass.tables import load_core
 
     d = Path(directory)

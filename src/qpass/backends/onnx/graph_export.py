@@ -44,7 +44,7 @@ def rollout_scoring_graph(pipeline: Any, recipe: Any) -> Any:
     Returns a :class:`~qpass.graph.qgraph.QGraph` of kind ``scoring`` whose linears are the
     rollout's quantized ops (same quantized bytes as the step graph ``Pipeline.build`` makes).
     """
-    from qpass.pm import PassContext, PassManager
+    from qpass.compiler.manager import PassContext, PassManager
 
     qg = pipeline.base_scoring.clone("rollout")
     PassManager(recipe.rollout, side="rollout").run(qg, PassContext(recipe_path=getattr(recipe, "path", None)))
