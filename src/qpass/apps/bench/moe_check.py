@@ -1,6 +1,6 @@
 """Grouped NVFP4 experts GEMM on a CUDA device: bit-identity checks, then timing at QUADS-like shapes.
 
-Checks (each a named entry of the JSON report, :class:`qpass.backends.triton.selfcheck.Report`):
+Checks (each a named entry of the JSON report, :class:`qpass.apps.bench.triton_selfcheck.Report`):
 
 * operands: per expert segment, the activation ``x_hat`` (and RAC masked-mode ``comp``) the grouped
   path feeds its GEMM equal the reference quantizer's (``qpass.quant.rac.rac_reference`` /
@@ -19,7 +19,7 @@ Shapes (QUADS-like expert GEMMs, one EP rank of a 25B-A2.8B-class model): hidden
 MLP I = 1024, E = 64 local experts, top-8, tokens T in {16, 512, 4096}; W13: N = 2I, K = H; W2:
 N = H, K = I. ``--quick``: tiny shapes (CPU interpreter, seconds).
 
-Usage: ``python -m qpass.backends.triton.moe_check [--out report.json] [--quick] [--budget-s S]``;
+Usage: ``python -m qpass.apps.bench.moe_check [--out report.json] [--quick] [--budget-s S]``;
 exit 1 on any failed check.
 """
 
@@ -31,6 +31,7 @@ import time
 
 import torch
 
+import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
 from qpass.formats.spec import NVFP4_ACT
 from qpass.quant.groups import group_amax
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_operand, nvfp4_quantize
@@ -39,7 +40,7 @@ from qpass.backends.triton._loader import kernel_lib
 from qpass.backends.triton.linear import _act_quant_operand, w4a4_linear_triton
 from qpass.backends.triton.moe import grouped_reference, grouped_w4a4_triton, sort_by_expert, stack_experts
 from qpass.backends.triton.rac import rac_run
-from qpass.backends.triton.selfcheck import Report
+from qpass.apps.bench.triton_selfcheck import Report
 
 RAC = RACConfig(0.5, "masked", "batch")
 

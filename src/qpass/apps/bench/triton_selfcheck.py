@@ -17,7 +17,7 @@ Checks, each against the plain-torch reference running on the same device:
 * CUDA-graph capture of the decode path (W4A4 + RAC) replays to the eager bits;
 * ``qpass.ops`` dispatch under ``use_kernels('triton')``.
 
-Usage: ``python -m qpass.backends.triton.selfcheck [--out report.json] [--quick] [--only SUBSTR]``; exit 1 on
+Usage: ``python -m qpass.apps.bench.triton_selfcheck [--out report.json] [--quick] [--only SUBSTR]``; exit 1 on
 any failure (``--only GEMV``: the small-M GEMV checks alone).
 """
 
@@ -32,6 +32,8 @@ import traceback
 from collections.abc import Callable
 
 import torch
+
+import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
 
 
 class Report:
@@ -460,7 +462,7 @@ def checks(rep: Report, dev: torch.device, big: int = 8192, quick: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qpass.backends.triton.selfcheck")
+    ap = argparse.ArgumentParser(prog="python -m qpass.apps.bench.triton_selfcheck")
     ap.add_argument("--out", default=None, help="write the JSON report here (atomically)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the random inputs (default: %(default)s)")

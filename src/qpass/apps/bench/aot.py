@@ -6,7 +6,7 @@ whether the GEMMs issue wgmma (``HGMMA``/``QGMMA`` in the SASS). Catches fronten
 ptxas errors before a GPU run; divisibility hints mimic the JIT's specialisation of aligned pointers
 and K/N/strides that are multiples of 16.
 
-Usage: ``python -m qpass.backends.triton.aot [--filter SUBSTR] [--sass SUBSTR]``; exit status 1 if any
+Usage: ``python -m qpass.apps.bench.aot [--filter SUBSTR] [--sass SUBSTR]``; exit status 1 if any
 variant fails to compile.
 """
 
@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
 from qpass.backends.triton._loader import kernel_lib
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -19,7 +19,7 @@ with inputs rotated over copies whose total size exceeds twice the L2 (60 MB on 
 budget (``--budget-s``) bounds the run: measurements are ordered by priority and the rest is
 recorded as skipped.
 
-The section "end-to-end decode step (CUDA graphs)" (:mod:`.bench_e2e`, :func:`run_e2e`) times whole
+The section "end-to-end decode step (CUDA graphs)" (:mod:`.e2e`, :func:`run_e2e`) times whole
 models' decode steps as the GRPO rollout engine replays them, per recipe, against the ``bf16`` recipe
 of the same run (``--e2e-only``: that section alone).
 
@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
 from qpass.atomic import write_atomic
-from qpass.backends.triton.peers import GROUP, PEERS, gemlite_available, int4_g128_quantize
+from qpass.apps.bench.peers import GROUP, PEERS, gemlite_available, int4_g128_quantize
 from qpass.jsonio import write_json
 from qpass.ops import effective_backend, use_kernels
 
 if TYPE_CHECKING:
-    from qpass.backends.triton.bench_e2e import DecodeMeasurement, E2EModel
+    from qpass.apps.bench.e2e import DecodeMeasurement, E2EModel
     from qpass.pipeline import Pipeline
 
 L2_BYTES = 60 * 2**20  # H200
@@ -492,7 +493,7 @@ def _peer_contender(name: str, inp: GemmInputs, x_b: int, out_b: int) -> tuple:
     """
     import copy
 
-    from qpass.backends.triton.peers import PEERS
+    from qpass.apps.bench.peers import PEERS
 
     wq = int4_g128_quantize(inp.w_bf16)
     fn, state = PEERS[name](wq)
@@ -520,7 +521,7 @@ E2E_NEW_MODEL_S, E2E_NEW_BATCH_S = 60.0, 25.0
 def e2e_plan(smoke: bool) -> list[tuple[object, int]]:
     """``(model, B)`` points of the end-to-end section in priority order: B = 1 and 16 for both
     models, then B = 64 (``--smoke``: the toy versions at B = 1 and 4)."""
-    from qpass.backends.triton.bench_e2e import E2E_BATCHES, E2E_MODELS
+    from qpass.apps.bench.e2e import E2E_BATCHES, E2E_MODELS
 
     models = [m.toy() for m in E2E_MODELS] if smoke else list(E2E_MODELS)
     batches = (1, 4) if smoke else E2E_BATCHES
@@ -537,7 +538,7 @@ def bench_e2e_point(res: Results, budget: Budget, spec: "E2EModel", batch: int, 
     bit-identical to an eager call of the same step), the graph status, the kernels that ran, sizes.
     ``pipes`` caches the captured :class:`~qpass.pipeline.Pipeline` per model label across points.
     """
-    from qpass.backends.triton.bench_e2e import E2E_RECIPES, build_model, prepare_pipeline, with_step_batch
+    from qpass.apps.bench.e2e import E2E_RECIPES, build_model, prepare_pipeline, with_step_batch
 
     smoke, dev = SMOKE["on"], _dev()
     max_len, prompt_len = (32, 8) if smoke else (E2E_MAX_LEN, E2E_PROMPT_LEN)
@@ -582,8 +583,8 @@ def bench_e2e_point(res: Results, budget: Budget, spec: "E2EModel", batch: int, 
 
 def _e2e_measure(pipe: "Pipeline", recipe: str, prompt_len: int, vocab_size: int) -> "DecodeMeasurement":
     """Build ``recipe``'s rollout engine on the Triton kernels, prefill, time its decode step
-    (:func:`qpass.backends.triton.bench_e2e.measure_decode`); the engine is dropped on return."""
-    from qpass.backends.triton.bench_e2e import decode_inputs, measure_decode, rollout_engine
+    (:func:`qpass.apps.bench.e2e.measure_decode`); the engine is dropped on return."""
+    from qpass.apps.bench.e2e import decode_inputs, measure_decode, rollout_engine
 
     with use_kernels("triton"):
         ro = rollout_engine(pipe, recipe, kernels="triton", smoke=SMOKE["on"])

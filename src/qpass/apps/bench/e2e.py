@@ -1,6 +1,6 @@
 """End-to-end decode step of ``qpass bench``: a whole model's decode step replayed as a CUDA graph.
 
-The kernel sections of :mod:`qpass.backends.triton.bench` time one linear at a time; this module
+The kernel sections of :mod:`qpass.apps.bench.triton_bench` time one linear at a time; this module
 times what a GRPO rollout actually runs per generated token: the pass-rewritten step graph of a
 recipe (:meth:`qpass.pipeline.Pipeline.build_side`, rollout side, Triton kernels) inside the
 rollout engine :class:`qpass.runtime.rollout.TorchRollout`, its decode step served by
@@ -14,7 +14,7 @@ download, no GGUF: the GPU box has no model files); the labels say so. Speed doe
 weight values, except through the data-dependent parts of the W4A4 path (activation scales, RAC
 channel choice), which do the same amount of work for any values.
 
-This module knows nothing about the benchmark's rows: :func:`qpass.backends.triton.bench.bench_e2e`
+This module knows nothing about the benchmark's rows: :func:`qpass.apps.bench.triton_bench.bench_e2e`
 turns its :class:`DecodeMeasurement` into rows. On CPU (``qpass bench --smoke``) the same code runs
 at toy sizes with :class:`EagerReplay` standing in for the CUDA graph, no timing claims.
 """
@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
 from qpass.graph.capture import capture_step
 from qpass.graph.model import LoadedModel
 from qpass.graph.qgraph import QGraph

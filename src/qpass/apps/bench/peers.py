@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
+
 GROUP = 128
 
 
