@@ -1011,3 +1011,9 @@ def run(opts: BenchOptions) -> int:
     res = run_quick(opts) if opts.quick else run_full(opts)
     print(_save(res, opts))
     return 1 if res.errors else 0
+
+
+if __name__ == "__main__":  # python -m qpass.apps.bench.triton_bench ARGS == qpass bench ARGS (exit codes included)
+    from qpass.apps.cli import main as _qpass_main
+
+    sys.exit(_qpass_main(["bench", *sys.argv[1:]]))
