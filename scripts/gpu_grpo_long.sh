@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced `docs/results/h200/grpo_long/`,
+# `docs/results/h200/grpo_long_attempt1/` and `docs/results/h100/grpo_long_larger/` (docs/RESULTS.md, long
+# runs).
 # Long GRPO runs on the H200 (issue 13): rollout speed with/without CUDA graphs, then bf16,
 # naive_nvfp4, qat_only and quads_nvfp4 trained for $STEPS steps each, same seed, chained over
 # several calls of this script through checkpoints that stay on the (warm) GPU machine.

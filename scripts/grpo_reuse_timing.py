@@ -13,6 +13,10 @@ for bit. Prints and writes the ``time/*`` keys per step and the mean ratio off /
 The structure mirrors the H200 long runs (4 micro-batches, 4 minibatches of one micro-batch each,
 decoupled PPO ratio, no BF16 shadow by default) at a CPU-sized batch. CPU numbers: the reference
 quantizer's share of a step differs on a GPU.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/grpo_long/reuse_timing_cpu_tiny.json` and
+`docs/results/grpo_long/reuse_timing_cpu_default.txt` (docs/RESULTS.md, weight-quantization reuse of issue
+13).
 """
 
 from __future__ import annotations

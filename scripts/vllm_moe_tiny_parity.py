@@ -7,6 +7,9 @@ The tiny model (2 layers, hidden 64, 4 experts, top-2, float32) is exported with
 plugin's FusedMoE method; vLLM samples (T = 1) one prompt at a time and qpass's float32 rollout graph
 (batch 1) replays the tokens. Then the same with RAC switched off inside the served MoE method
 (``rac13 = None`` for every expert): the control shows the comparison sees the experts' numerics.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_tiny_parity.json` (docs/RESULTS.md,
+MoE in vLLM); needs vllm.
 """
 
 from __future__ import annotations
