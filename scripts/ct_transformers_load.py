@@ -4,8 +4,7 @@ bf16 weights that differ from qpass.nvfp4_dequantize of a qpass/modelopt export 
     PYTHONPATH=src python scripts/ct_transformers_load.py CT_DIR QPASS_OR_MODELOPT_DIR
 
 Provenance (lab file; scripts/README.md): produced
-`docs/results/export/default_compressed_tensors_transformers_load.txt`, cited in docs/RESULTS.md "Export a
-checkpoint".
+`docs/results/export/default_compressed_tensors_transformers_load.txt`, cited in docs/results/export.md.
 """
 import sys, torch
 from transformers import AutoModelForCausalLM

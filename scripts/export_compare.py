@@ -13,8 +13,7 @@
 Provenance (lab file; scripts/README.md): produced
 `docs/results/export/default_modelopt_vs_qpass_te_reference.json` (listing),
 `docs/results/export/default_requantize_vs_modelopt.json` (bytes) and
-`docs/results/export/default_compressed_tensors_decode_vs_qpass.json` (ct), cited in docs/RESULTS.md "Export a
-checkpoint".
+`docs/results/export/default_compressed_tensors_decode_vs_qpass.json` (ct), cited in docs/results/export.md.
 """
 
 from __future__ import annotations

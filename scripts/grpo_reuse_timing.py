@@ -15,7 +15,7 @@ decoupled PPO ratio, no BF16 shadow by default) at a CPU-sized batch. CPU number
 quantizer's share of a step differs on a GPU.
 
 Provenance (lab file; scripts/README.md): produced `docs/results/grpo_long/reuse_timing_cpu_tiny.json` and
-`docs/results/grpo_long/reuse_timing_cpu_default.txt` (docs/RESULTS.md, weight-quantization reuse of issue
+`docs/results/grpo_long/reuse_timing_cpu_default.txt` (docs/results/grpo.md, weight-quantization reuse of issue
 13).
 """
 

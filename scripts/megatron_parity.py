@@ -18,7 +18,7 @@ Writes ``OUT/parity_<device>.json`` (one JSON object; every number labelled) and
   learner graph (both bf16).
 
 Provenance (lab file; scripts/README.md): produced `docs/results/megatron/parity_cpu.json` and
-`docs/results/megatron/logits_cpu.json` (docs/RESULTS.md, Megatron learner) and, through
+`docs/results/megatron/logits_cpu.json` (docs/results/megatron.md, Megatron learner) and, through
 scripts/gpu_megatron.sh, `docs/results/h200/megatron/`.
 """
 

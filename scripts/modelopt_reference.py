@@ -15,7 +15,7 @@ versions used.
 Provenance (lab file; scripts/README.md): produced `tests/data/modelopt_tiny_llama_NVFP4_DEFAULT_CFG.json` /
 `tests/data/modelopt_tiny_llama_W4A16_NVFP4_CFG.json` (read by tests/test_export.py and
 qpass.checkpoint.formats) and `docs/results/export/modelopt_0.47_nvfp4_default_model_listing.json`
-(docs/RESULTS.md "Export a checkpoint"). Needs nvidia-modelopt, which is not a qpass dependency.
+(docs/results/export.md). Needs nvidia-modelopt, which is not a qpass dependency.
 """
 
 from __future__ import annotations

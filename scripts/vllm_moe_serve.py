@@ -12,7 +12,7 @@
 3. plain greedy generation (temperature 0) from chat prompts, text and token ids recorded, with the
    wall time per prompt.
 
-Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_serve.json` (docs/RESULTS.md, MoE
+Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_serve.json` (docs/results/moe.md, MoE
 served by vLLM-CPU); needs vllm.
 """
 

@@ -8,7 +8,7 @@ plugin's FusedMoE method; vLLM samples (T = 1) one prompt at a time and qpass's 
 (batch 1) replays the tokens. Then the same with RAC switched off inside the served MoE method
 (``rac13 = None`` for every expert): the control shows the comparison sees the experts' numerics.
 
-Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_tiny_parity.json` (docs/RESULTS.md,
+Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_tiny_parity.json` (docs/results/moe.md,
 MoE in vLLM); needs vllm.
 """
 

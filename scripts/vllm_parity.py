@@ -17,7 +17,7 @@ computes with qpass's numerics.
    batch), so both sides must see the same batch (a prompt's prefill, then one token per step).
 
 Provenance (lab file; scripts/README.md): produced `docs/results/vllm/parity_fp32.json` and
-`docs/results/vllm/parity_fp32_w4a16.json` (docs/RESULTS.md, vLLM rollout engine); needs vllm.
+`docs/results/vllm/parity_fp32_w4a16.json` (docs/results/engines.md, vLLM rollout engine); needs vllm.
 """
 
 from __future__ import annotations

@@ -87,6 +87,73 @@ def test_seams_are_where_the_design_says():
         assert "qpass.runtime.engine" in g[m] and "qpass.runtime.rollout" not in g[m], m
 
 
+#: import paths the compiler room (src/qpass/compiler/) replaced: each is now a shim module that
+#: puts the new module object in sys.modules under the old name (qpass.passes.linear_lower
+#: re-exports the same classes); new src code imports the new path.
+DEPRECATED_COMPILER_PATHS = {
+    "qpass.recipe": "qpass.compiler.recipe",
+    "qpass.pipeline": "qpass.compiler.pipeline",
+    "qpass.pm": "qpass.compiler.manager",
+    "qpass.graph.properties": "qpass.compiler.properties",
+    "qpass.graph.verify": "qpass.compiler.verify",
+    "qpass.passes": "qpass.compiler.passes",
+}
+#: src modules still on an old path, in files other work owns (backends/, apps/grpo/): this list may
+#: only shrink -- move an entry to the new path when its file is next edited, then delete it here.
+STILL_ON_OLD_PATHS = {
+    ("qpass.apps.grpo.cli", "qpass.pipeline"),
+    ("qpass.apps.grpo.cli", "qpass.recipe"),
+    ("qpass.backends.onnx.export", "qpass.recipe"),
+    ("qpass.backends.onnx.graph_export", "qpass.pm"),
+}
+
+
+def _deprecated(mod: str) -> bool:
+    return any(mod == old or mod.startswith(old + ".") for old in DEPRECATED_COMPILER_PATHS)
+
+
+def test_no_new_src_use_of_the_old_compiler_paths():
+    im = _import_map()
+    g = im.import_graph()
+    shims = {m for m in g if _deprecated(m)}
+    assert shims == {*DEPRECATED_COMPILER_PATHS, *(f"qpass.passes.{n}" for n in
+                     ("act_qdq", "weight_qdq", "rac", "fp32_accumulate", "common", "linear_lower"))}
+    uses = {(a, b) for a, bs in g.items() if a not in shims for b in bs if _deprecated(b)}
+    new = sorted(uses - STILL_ON_OLD_PATHS)
+    assert not new, "import the new path: " + "; ".join(
+        f"{a} -> {b} (use {next(v + b[len(k):] for k, v in DEPRECATED_COMPILER_PATHS.items() if b == k or b.startswith(k + '.'))})"
+        for a, b in new)
+    assert not STILL_ON_OLD_PATHS - uses, f"moved to the new path, delete from STILL_ON_OLD_PATHS: {sorted(STILL_ON_OLD_PATHS - uses)}"
+    # a shim imports only its new home, never another old path
+    for m in shims - {"qpass.passes"}:
+        assert g[m] and all(b.startswith("qpass.compiler.") for b in g[m]), (m, g[m])
+
+
+def test_runtime_never_imports_the_passes_at_their_new_home():
+    im = _import_map()
+    g = im.import_graph()
+    bad = sorted((a, b) for a, bs in g.items() if a.startswith("qpass.runtime") for b in bs
+                 if b.startswith("qpass.compiler.passes") or _deprecated(b))
+    assert bad == []
+
+
+def test_old_paths_are_the_same_objects():
+    import qpass.compiler.manager
+    import qpass.compiler.passes.residual_compensation
+    import qpass.compiler.verify
+    import qpass.passes.linear_lower
+    import qpass.passes.rac
+    import qpass.pm
+    from qpass.compiler.passes.w4a4_lower import W4A4Lower
+    from qpass.graph.verify import verify
+
+    assert qpass.pm is qpass.compiler.manager and qpass.passes.rac is qpass.compiler.passes.residual_compensation
+    assert verify is qpass.compiler.verify.verify
+    assert qpass.passes.linear_lower.W4A4Lower is W4A4Lower is qpass.pm.PASSES["w4a4_lower"]
+    assert sorted(qpass.pm.PASSES) == ["act_qdq", "fp32_accumulate_linear", "fp8_lower", "mxfp4_lower",
+                                       "residual_compensation", "w4a16_lower", "w4a4_lower", "weight_qdq"]
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, src in files.items():
         p = root / "qpass" / rel

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from qpass.errors import NoMatchError, PassError, PostconditionError, PreconditionError, RecipeError, VerificationError
-from qpass.graph.verify import verify
+from qpass.compiler.verify import verify
 from qpass.ops import NVFP4_LINEAR, FP8LinearCall
 from qpass.ops.linear import nvfp4_linear_ref
-from qpass.pm import Pass, PassContext, PassManager, PassResult
+from qpass.compiler.manager import Pass, PassContext, PassManager, Rewrites
 from qpass.quant.groups import group_amax
 from qpass.quant.linear import fp8_linear_reference
 from qpass.quant.nvfp4 import nvfp4_quantize
-from qpass.recipe import load_recipe, parse_recipe
+from qpass.compiler.recipe import load_recipe, parse_recipe
 from qpass.sampling import positions_from_mask
 
 from .conftest import tiny_llama
@@ -227,7 +227,7 @@ class _LyingPass(Pass):
     ensures = ("weight_qdq",)
 
     def run(self, qg, ctx):
-        return PassResult(self.name, qg.side, matches=1)
+        return Rewrites(rewritten=["model.layers.0.self_attn.q_proj"])  # a lie: nothing was rewritten
 
 
 class _CrashingPass(Pass):

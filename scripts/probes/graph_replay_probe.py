@@ -6,8 +6,7 @@ eager on x'. Also the step-level check on a tiny Llama (quads_nvfp4, triton): ea
 Prints one line per case; writes $OUT/graph_replay_probe.json.
 
 Provenance (lab file; scripts/README.md): produced
-`docs/results/h200/cuda_graph_probe/graph_replay_probe.json` (docs/RESULTS.md "CUDA graphs with the reference
-kernels"); needs a CUDA GPU.
+`docs/results/h200/cuda_graph_probe/graph_replay_probe.json` (docs/results/grpo.md); needs a CUDA GPU.
 """
 import json
 import os

@@ -2,7 +2,7 @@
 itself repeatable? One line per (kernels, variant); $OUT/graph_step_probe.json.
 
 Provenance (lab file; scripts/README.md): produced `docs/results/h200/cuda_graph_probe/graph_step_probe.json`
-and `docs/results/h200/kv_reset/graph_step_probe_after_kv_reset.json` (docs/RESULTS.md, long runs on the H200
+and `docs/results/h200/kv_reset/graph_step_probe_after_kv_reset.json` (docs/results/grpo.md, long runs on the H200
 and "CUDA graphs with the reference kernels"). Run from the repository root with the tests package importable:
 `PYTHONPATH=src:. OUT=... python3 scripts/probes/graph_step_probe.py` (PROBE_DEVICE=cuda by default).
 """

@@ -13,7 +13,7 @@ each engine configuration (vLLM default = prefix caching on; prefix caching off)
 
 Writes one JSON document; prints a one-line summary per (configuration, prompt).
 
-Provenance (lab file; scripts/README.md): produced `docs/results/vllm/divergence_probe.json` (docs/RESULTS.md,
+Provenance (lab file; scripts/README.md): produced `docs/results/vllm/divergence_probe.json` (docs/results/engines.md,
 vLLM rollout engine); needs vllm.
 """
 

@@ -12,7 +12,7 @@ scale bits are equal, how many packed NVFP4 code bytes (two E2M1 codes each) and
 channel sets are equal; and the relative output difference. Writes one JSON document.
 
 Provenance (lab file; scripts/README.md): produced `docs/results/vllm/site_trace_prompt3.json`
-(docs/RESULTS.md and docs/DESIGN.md, vLLM rollout engine); needs vllm.
+(docs/results/engines.md and docs/DESIGN.md, vLLM rollout engine); needs vllm.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Usage (GPU box): ``python3 scripts/probes/weight_qdq_speed.py --out $OUT/weight_
 Prints one line per backend and the ratio reference/triton of the medians.
 
 Provenance (lab file; scripts/README.md): produced `docs/results/h100/weight_qdq_speed.json` (BENCHMARKS.md
-and docs/RESULTS.md, learner weight QDQ speed); needs a CUDA GPU.
+and docs/results/grpo.md, learner weight QDQ speed); needs a CUDA GPU.
 """
 
 from __future__ import annotations

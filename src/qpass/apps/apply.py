@@ -34,7 +34,7 @@ from qpass.atomic import atomic_dir
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
 from qpass.progress import phase
-from qpass.recipe import Recipe, load_recipe
+from qpass.compiler.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _pick_rac_site(rollout: QGraph, acts: dict[str, torch.Tensor]) -> str | None
 def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = None) -> tuple[int, dict[str, Any]]:
     """Run the main job. Returns (exit status, report).
 
-    ``pipeline`` (tests, notebooks): reuse an already captured :class:`qpass.pipeline.Pipeline`
+    ``pipeline`` (tests, notebooks): reuse an already captured :class:`qpass.compiler.pipeline.Pipeline`
     instead of loading and capturing again; its step graph must have room for the probe.
 
     Raises:
@@ -142,7 +142,7 @@ def run_apply(recipe_ref: str, out: Path, o: ApplyOptions, *, pipeline: Any = No
         timings.update(pipe.timings)
         con.print(f"[bold]captured[/] {len(pipe.base_scoring.sites)} linear sites "
                   f"(scoring {timings['capture_scoring_s']:.1f}s, step {timings['capture_step_s']:.1f}s)")
-        t0 = time.perf_counter()  # one phase per side (qpass.pm), one unit per pass
+        t0 = time.perf_counter()  # one phase per side (qpass.compiler.manager), one unit per pass
         learner, rollout = pipe.build(recipe, debug=o.debug, reproducer_dir=out.parent / f"{out.name}.reproducers",
                                       calibration=cal)
         timings["passes_s"] = time.perf_counter() - t0
@@ -224,7 +224,7 @@ def _vllm_factory(lm: Any, o: ApplyOptions, rollout: QGraph | None, prompts: lis
     """A factory of the vLLM engine context (:func:`qpass.apps.engines.vllm_rollout`): ``rollout``'s
     quantization on the model's master weights, or the unquantized model (the BF16 floor) for None."""
     from qpass.apps.engines import vllm_rollout
-    from qpass.pipeline import DTYPES
+    from qpass.compiler.pipeline import DTYPES
 
     return functools.partial(vllm_rollout, lm.model, lm.tokenizer, DTYPES[o.dtype], rollout=rollout, calibration_ids=prompts,
                              batch_size=bsz, max_len=max_len, seed=seed)
@@ -232,14 +232,14 @@ def _vllm_factory(lm: Any, o: ApplyOptions, rollout: QGraph | None, prompts: lis
 
 def _load(o: ApplyOptions) -> Any:
     from qpass.graph.model import load_model
-    from qpass.pipeline import DTYPES
+    from qpass.compiler.pipeline import DTYPES
 
     return load_model(o.model, dtype=DTYPES[o.dtype], device=o.device)
 
 
 def _capture(o: ApplyOptions, lm: Any, pipeline: Any, rows: int, max_len: int, t0: float) -> tuple[Any, int, int]:
     """Capture both graphs for a ``rows``-row probe of ``max_len`` tokens (or check a given pipeline fits)."""
-    from qpass.pipeline import Pipeline
+    from qpass.compiler.pipeline import Pipeline
 
     if pipeline is None:
         bsz = min(o.batch_size, rows)
@@ -316,7 +316,7 @@ def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     ap.add_argument("recipe", help="recipe YAML path or built-in name (see `qpass recipes`)")
     ap.add_argument("--out", required=True, type=Path, help="output directory (written atomically, reserved from the start)")
     add_common_args(ap)
-    from qpass.recipe import LogprobGapCheck
+    from qpass.compiler.recipe import LogprobGapCheck
 
     gap = LogprobGapCheck.model_fields
 

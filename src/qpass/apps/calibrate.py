@@ -104,7 +104,7 @@ def run_calibrate(recipe_ref: str, out: Path, *, model: str = "default", dtype: 
     """``qpass calibrate`` (module docstring). Returns ``calibration.json``'s content.
 
     Args:
-        pipeline: reuse a captured :class:`qpass.pipeline.Pipeline` (tests); its model is calibrated.
+        pipeline: reuse a captured :class:`qpass.compiler.pipeline.Pipeline` (tests); its model is calibrated.
     Raises:
         QpassError: bad recipe / prompts / output path (before the model loads), a model without a
             chat tokenizer, and the calibration's own errors (:class:`~qpass.calibration.source.CalibrationError`).
@@ -113,7 +113,7 @@ def run_calibrate(recipe_ref: str, out: Path, *, model: str = "default", dtype: 
     from qpass.atomic import atomic_dir, check_output_path
     from qpass.calibration.run import calibrate
     from qpass.prompts import encode_chat
-    from qpass.recipe import load_recipe
+    from qpass.compiler.recipe import load_recipe
 
     recipe = load_recipe(recipe_ref)
     texts, data = _prompt_texts(prompts, num_prompts)
@@ -125,7 +125,7 @@ def run_calibrate(recipe_ref: str, out: Path, *, model: str = "default", dtype: 
     t0 = time.perf_counter()
     if pipeline is None:
         from qpass.graph.model import load_model
-        from qpass.pipeline import DTYPES, Pipeline
+        from qpass.compiler.pipeline import DTYPES, Pipeline
 
         if dtype not in DTYPES:
             raise QpassError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")

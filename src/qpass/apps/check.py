@@ -58,7 +58,7 @@ from qpass.apps.report import site_counts
 from qpass.apps.validate import check_model_ref, check_report_fields
 from qpass.errors import QpassError, RecipeError
 from qpass.progress import phase
-from qpass.recipe import load_recipe, parse_recipe
+from qpass.compiler.recipe import load_recipe, parse_recipe
 
 __all__ = ["build_check_parser", "main_check", "run_check"]
 
@@ -122,7 +122,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     ``failures`` name the file, tensor or site).
 
     Args:
-        pipeline: reuse a captured :class:`qpass.pipeline.Pipeline` (tests).
+        pipeline: reuse a captured :class:`qpass.compiler.pipeline.Pipeline` (tests).
         checksums: compare the files with the sha256 sums in ``report.json`` first (and stop there
             on a difference).
     Raises:
@@ -131,7 +131,7 @@ def run_check(target: str, o: ApplyOptions, *, behavioral: bool = False, pipelin
     """
     from qpass.apps.plugins import load_backends
     from qpass.ops import use_kernels
-    from qpass.pipeline import Pipeline
+    from qpass.compiler.pipeline import Pipeline
 
     con = console()
     path = Path(target)
@@ -253,7 +253,7 @@ def _vllm_engine(pipe: Any, learner: Any, rollout: Any, o: ApplyOptions, bsz: in
     """A vLLM engine serving ``rollout``'s quantization of the learner's master weights (exported from
     the model, then updated to the learner's masters through the engine's own weight update)."""
     from qpass.apps.engines import vllm_rollout
-    from qpass.pipeline import DTYPES
+    from qpass.compiler.pipeline import DTYPES
     from qpass.prompts import encode_chat, probe_prompts
     from qpass.runtime.graph_engine import graph_weights
 

@@ -41,7 +41,7 @@ def _recipes(argv: list[str]) -> int:
     from rich.table import Table
 
     from qpass.apps.cliutil import add_verbose
-    from qpass.recipe import builtin_recipes, load_recipe
+    from qpass.compiler.recipe import builtin_recipes, load_recipe
 
     ap = argparse.ArgumentParser(prog="qpass recipes", description="List built-in recipes")
     ap.add_argument("--json", action="store_true")

@@ -8,7 +8,7 @@ Sources (what the tensors come from):
   (else the model itself), the config and tokenizer of the model ``report.json`` names
   (``model.ref``; ``--model`` overrides it).
 * ``--recipe R --model M``: the model is loaded and captured, the recipe's rollout passes are run
-  (:meth:`qpass.pipeline.Pipeline.build_side`), and the rollout graph's constants are exported.
+  (:meth:`qpass.compiler.pipeline.Pipeline.build_side`), and the rollout graph's constants are exported.
 * ``--model M`` alone (or ``SRC`` a model): the model unquantized (``--format plain``).
 
 An apply output is verified before anything is read from it or written (:mod:`qpass.apps.integrity`):
@@ -195,7 +195,7 @@ def export_checkpoint(
     from qpass.apps.validate import check_export_recipe, check_model_ref, check_probe_count
     from qpass.atomic import check_output_path
     from qpass.graph.model import load_model
-    from qpass.pipeline import DTYPES
+    from qpass.compiler.pipeline import DTYPES
 
     out = Path(out)
     if global_scale not in (None, *GLOBAL_SCALE_RULES):
@@ -270,7 +270,7 @@ def export_checkpoint(
         if apply_dir is None:
             record["source"] = {"model": model_ref, "recipe": recipe}
             if build:
-                from qpass.recipe import load_recipe
+                from qpass.compiler.recipe import load_recipe
 
                 sites, site_tensors, _ = _build_rollout(lm, load_recipe(recipe), cal)
                 ph.advance(note="rollout built")
@@ -432,7 +432,7 @@ def _build_rollout(lm: Any, recipe: Any, cal: Any = None) -> tuple[dict[str, Rol
     sites, their tensors and the rollout graph."""
     from qpass.apps.artifacts import rollout_tensors
     from qpass.apps.plugins import load_backends
-    from qpass.pipeline import Pipeline
+    from qpass.compiler.pipeline import Pipeline
 
     load_backends(["reference"])
     pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=8)
@@ -446,7 +446,7 @@ def _rebuilt_problems(d: Any, lm: Any, site_tensors: dict[str, torch.Tensor], ca
     apply's calibration ``cal`` for static recipes) against its quantization config and every tensor of
     its ``rollout/weights.safetensors``."""
     from qpass.apps.artifacts import compare_tensors, rollout_tensors
-    from qpass.recipe import parse_recipe
+    from qpass.compiler.recipe import parse_recipe
 
     rollout = _build_rollout(lm, parse_recipe(d.recipe_text, str(d.root / "rollout" / "recipe.yaml")), cal)[2]
     problems = rebuilt_problems(d, rollout)

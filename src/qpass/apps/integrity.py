@@ -233,7 +233,7 @@ def consistency_problems(d: ApplyDir, *, model_ref: str | None = None) -> list[s
             problems.append(f"{RECIPE_COPY} differs from the recipe text in {REPORT} ({_first_line_diff(text, d.recipe_text)})")
         else:
             from qpass.errors import RecipeError
-            from qpass.recipe import parse_recipe
+            from qpass.compiler.recipe import parse_recipe
 
             try:
                 name = parse_recipe(text, str(copy)).name

@@ -9,7 +9,7 @@ from pathlib import Path
 import pydantic
 
 from qpass.errors import RecipeError
-from qpass.recipe import LogprobGapCheck, Recipe
+from qpass.compiler.recipe import LogprobGapCheck, Recipe
 
 # CLI flag -> field of the recipe's logprob_gap check it overrides
 GAP_OVERRIDES = {"prompts": "--prompts", "samples_per_prompt": "--samples", "max_new_tokens": "--max-new-tokens", "seed": "--seed"}

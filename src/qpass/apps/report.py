@@ -20,7 +20,7 @@ from qpass.apps.options import ApplyOptions
 from qpass.apps.parity_checks import CheckResult
 from qpass.formats.spec import FP8Spec, NVFP4Spec
 from qpass.graph.qgraph import QGraph
-from qpass.recipe import Recipe
+from qpass.compiler.recipe import Recipe
 
 
 def _plt():

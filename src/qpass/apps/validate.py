@@ -5,7 +5,7 @@ output paths, CLI values and their combinations, counts against the data that ex
 loads a model, so bad input fails in well under a second with exit status 2 and a message naming
 the flag, file or recipe line (the error contract of :mod:`qpass.apps.cliutil`). The checks are
 small functions here, called by the commands' entry points; the recipe itself is validated by
-:mod:`qpass.recipe`, output directories by :func:`qpass.atomic.check_output_path`.
+:mod:`qpass.compiler.recipe`, output directories by :func:`qpass.atomic.check_output_path`.
 
 Raises (every function): :class:`qpass.errors.QpassError` (or :class:`~qpass.errors.RecipeError`)
 naming the culprit.
@@ -101,7 +101,7 @@ def check_export_recipe(recipe_ref: str | None, fmt: str) -> Any:
     """
     if recipe_ref is None:
         return None
-    from qpass.recipe import load_recipe
+    from qpass.compiler.recipe import load_recipe
 
     recipe = load_recipe(recipe_ref)
     if fmt != "plain":

@@ -36,9 +36,9 @@ def calibrate(pipeline: Any, recipe: Any, token_ids: Sequence[Sequence[int]], *,
     """Calibrate ``recipe``'s rollout on ``pipeline``'s model (module docstring).
 
     Args:
-        pipeline: a :class:`qpass.pipeline.Pipeline` (its loaded model is run, its step graph gives
+        pipeline: a :class:`qpass.compiler.pipeline.Pipeline` (its loaded model is run, its step graph gives
             the sites and fused groups; any batch size / KV length).
-        recipe: a :class:`qpass.recipe.Recipe`.
+        recipe: a :class:`qpass.compiler.recipe.Recipe`.
         token_ids: the calibration prompts as token ids (one forward each).
         data: what the tokens are (``source``, ``prompts_sha256``, ...; counts and the tokens' sha256
             are added here).
@@ -48,7 +48,7 @@ def calibrate(pipeline: Any, recipe: Any, token_ids: Sequence[Sequence[int]], *,
     Raises:
         CalibrationError: no or empty prompts; a site no calibration token reached that a
             calibrating pass needs; a non-finite activation. RecipeError / PassError: see
-            :meth:`qpass.pipeline.Pipeline.build_side`.
+            :meth:`qpass.compiler.pipeline.Pipeline.build_side`.
     """
     model = pipeline.loaded.model
     sites = {s: st for s, st in pipeline.base_step.sites.items() if st.nvfp4_ok}

@@ -63,7 +63,7 @@ class QGraph:
         kind: ``scoring`` (full sequence, learner) or ``step`` (static-KV prefill/decode, rollout).
         side: ``base`` (as captured), ``learner`` or ``rollout``.
         sites: linear sites discovered at capture, by id.
-        history: one :class:`qpass.pm.PassResult` per pass run, in order.
+        history: one :class:`qpass.compiler.manager.PassResult` per pass run, in order.
         properties: graph properties established by passes (checked by the pass manager).
         captured: the capture record (``ExportedProgram``, export time, step-graph sizes).
         quant: per quantized site, its :class:`qpass.graph.records.SiteQuant` (spec objects, group,

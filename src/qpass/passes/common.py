@@ -1,56 +1,9 @@
-"""Helpers shared by the passes: target selection with skip reasons, node surgery."""
+"""Deprecated import path, kept for one release: this name *is* :mod:`qpass.compiler.passes._common` (the same module
+object, so classes, registries and monkeypatching are shared). New code imports ``qpass.compiler.passes._common``
+(tests/test_import_map.py forbids new src uses of this path)."""
 
-from __future__ import annotations
+import sys
 
-from collections.abc import Sequence
+import qpass.compiler.passes._common as _target
 
-import torch
-
-from qpass.graph.qgraph import QGraph
-from qpass.graph.sites import LINEAR_TARGETS, Site, groups_of, select_sites
-from qpass.pm import PassOptions
-
-
-def selected(qg: QGraph, opts: PassOptions, *, need_nvfp4: bool = False) -> tuple[list[Site], list[tuple[str, str]]]:
-    """Sites matching ``opts.targets``/``opts.exclude``; those NVFP4 cannot encode go to ``skipped``."""
-    sites = select_sites(qg.sites.values(), opts.targets, opts.exclude)
-    skipped = []
-    if need_nvfp4:
-        skipped = [(s.id, f"in_features={s.in_features} is not a multiple of 16") for s in sites if not s.nvfp4_ok]
-        sites = [s for s in sites if s.nvfp4_ok]
-    return sites, skipped
-
-
-def grouped(sites: Sequence[Site]) -> dict[str, list[Site]]:
-    return groups_of(sites)
-
-
-def aten_linear_nodes(qg: QGraph, site_id: str) -> list[torch.fx.Node]:
-    """The still-unrewritten ``aten.linear`` call nodes of a site whose weight is a graph attribute."""
-    out = []
-    for n in qg.nodes_of_site(site_id):
-        if n.target in LINEAR_TARGETS and isinstance(n.args[1], torch.fx.Node) and n.args[1].op == "get_attr":
-            out.append(n)
-    return out
-
-
-def bias_arg(node: torch.fx.Node) -> torch.fx.Node | None:
-    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return b if isinstance(b, torch.fx.Node) else None
-
-
-def copy_meta(src: torch.fx.Node, dst: torch.fx.Node, **extra: object) -> None:
-    """Carry the qpass stamps (site, handle) and the shape metadata from ``src`` to ``dst``."""
-    for key in ("qpass_site", "qpass_handle", "qpass_linear_site", "nn_module_stack", "val", "tensor_meta", "stack_trace"):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
-    dst.meta.update(extra)
-
-
-def graph_order(qg: QGraph) -> dict[torch.fx.Node, int]:
-    return {n: i for i, n in enumerate(qg.gm.graph.nodes)}
-
-
-def finish(qg: QGraph) -> None:
-    qg.gm.graph.lint()
-    qg.gm.recompile()
+sys.modules[__name__] = _target

@@ -2,7 +2,7 @@
 
 The kernel sections of :mod:`qpass.apps.bench.triton_bench` time one linear at a time; this module
 times what a GRPO rollout actually runs per generated token: the pass-rewritten step graph of a
-recipe (:meth:`qpass.pipeline.Pipeline.build_side`, rollout side, Triton kernels) inside the
+recipe (:meth:`qpass.compiler.pipeline.Pipeline.build_side`, rollout side, Triton kernels) inside the
 rollout engine :class:`qpass.runtime.rollout.TorchRollout`, its decode step served by
 :class:`qpass.runtime.cuda_graph.DecodeGraph` (first call: eager warm-up + capture; every later
 call: copy the 4 inputs into the static tensors, replay). One decode step = one token for every row
@@ -30,11 +30,11 @@ from collections.abc import Callable
 import torch
 
 import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
+from qpass.compiler.pipeline import Pipeline
+from qpass.compiler.recipe import load_recipe
 from qpass.graph.capture import capture_step
 from qpass.graph.model import LoadedModel
 from qpass.graph.qgraph import QGraph
-from qpass.pipeline import Pipeline
-from qpass.recipe import load_recipe
 from qpass.runtime.cuda_graph import DecodeGraph
 from qpass.runtime.host_sync import forbid_host_sync
 from qpass.runtime.prefill import step_prefill_args

@@ -52,7 +52,7 @@ from qpass.ops import effective_backend, use_kernels
 
 if TYPE_CHECKING:
     from qpass.apps.bench.e2e import DecodeMeasurement, E2EModel
-    from qpass.pipeline import Pipeline
+    from qpass.compiler.pipeline import Pipeline
 
 L2_BYTES = 60 * 2**20  # H200
 SMOKE = {"on": False}  # --smoke: run the full-benchmark code path on CPU at toy sizes (no timings)
@@ -536,7 +536,7 @@ def bench_e2e_point(res: Results, budget: Budget, spec: "E2EModel", batch: int, 
     median decode-step time, ``vs_bf16`` = bf16 step time / this step time (= tokens/s ratio),
     ``extra``: ``tokens_per_s`` (B / step time), ``replay_equals_eager`` (the timed replay's logits
     bit-identical to an eager call of the same step), the graph status, the kernels that ran, sizes.
-    ``pipes`` caches the captured :class:`~qpass.pipeline.Pipeline` per model label across points.
+    ``pipes`` caches the captured :class:`~qpass.compiler.pipeline.Pipeline` per model label across points.
     """
     from qpass.apps.bench.e2e import E2E_RECIPES, build_model, prepare_pipeline, with_step_batch
 

@@ -3,8 +3,8 @@
 Every learner and rollout configuration of ``qpass study`` is one side of a recipe: a shipped recipe
 (``qpass/recipes/*.yaml``) or a study recipe (``qpass/apps/study/recipes/*.yaml``). The quick
 run's layer restriction and the RAC sweep are *overrides* applied by :func:`study_recipe` to the
-recipe's YAML, which is then validated by :func:`qpass.recipe.parse_recipe` like any recipe file
-(unknown keys, option values, pass order) and built by :meth:`qpass.pipeline.Pipeline.build_side`
+recipe's YAML, which is then validated by :func:`qpass.compiler.recipe.parse_recipe` like any recipe file
+(unknown keys, option values, pass order) and built by :meth:`qpass.compiler.pipeline.Pipeline.build_side`
 with the graph verifier on.
 
 =================  ===================================  ===================================
@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from qpass.errors import QpassError
-from qpass.recipe import Recipe, builtin_recipes, parse_recipe
+from qpass.compiler.recipe import Recipe, builtin_recipes, parse_recipe
 
 LEARNERS: dict[str, str] = {"bf16": "bf16", "w_qdq": "w4a16_qat", "a_qdq": "w16a4_qdq", "wa_qdq": "w4a4_qat",
                             "a_qdq_pt": "w16a4_qdq_per_token", "wa_qdq_pt": "w4a4_qat_per_token"}

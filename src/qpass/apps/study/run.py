@@ -75,7 +75,7 @@ from qpass.atomic import check_output_path
 from qpass.errors import QpassError
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import select_sites
-from qpass.recipe import Recipe
+from qpass.compiler.recipe import Recipe
 from qpass.apps.study.cost import config_key, rac_cost_table, time_rac_linear
 from qpass.apps.study.replay import (
     SampledSet,
@@ -226,7 +226,7 @@ def run_study(cfg: StudyConfig, pipe: Any | None = None) -> dict[str, Any]:
 
     Args:
         cfg: options.
-        pipe: an already prepared :class:`qpass.pipeline.Pipeline` (tests share one); None loads
+        pipe: an already prepared :class:`qpass.compiler.pipeline.Pipeline` (tests share one); None loads
             ``cfg.model`` and captures with a static batch of ``cfg.batch_size`` rows.
     Raises:
         QpassError: the probe prompts plus ``max_new_tokens`` do not fit the captured cache, or a
@@ -275,7 +275,7 @@ class _Study:
     """State of one study run; one method per phase (called in order by :func:`_run`)."""
 
     def __init__(self, cfg: StudyConfig, pipe: Any | None) -> None:
-        from qpass.pipeline import Pipeline
+        from qpass.compiler.pipeline import Pipeline
         from qpass.prompts import encode_chat, probe_prompts
 
         self.t0 = time.perf_counter()

@@ -66,10 +66,10 @@ def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site) -> ActOp
     bx = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
     s_dec_x = torch.empty(n_r, dtype=torch.float32, device=dev)
     amax_bits = torch.empty(n_r, dtype=torch.int32, device=dev)
-    scores = torch.empty(k, dtype=torch.int64, device=dev) if rac and static_mask is None else None
     mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev) if rac else None
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev) if rac else None
     s_dec_r = torch.empty(n_r, dtype=torch.float32, device=dev) if rac else None
+    scores = torch.empty(k, dtype=torch.int64, device=dev) if rac and static_mask is None else None
     kern = runtime.get_kernel("nvfp4_act", "act_fused", dict(base, RAC=int(rac), THREADS=SELECT_THREADS), dev.index or 0)
     runtime.launch(kern, (1, 1, 1), (SELECT_THREADS, 1, 1),
                    [x, m, k, x.stride(0), bx, bx.stride(0), s_dec_x, lim, amax_bits, scores, int(rac_k or 0),

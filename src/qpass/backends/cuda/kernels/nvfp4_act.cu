@@ -329,11 +329,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_quant(
 }
 
 // ---------------------------------------------------------------------------------------------
-// select_topk (one CTA of THREADS threads): mask bit j set iff channel j is among the k largest
-// scores, ties toward the lower index. Radix select: first by bit length (64 bins: the scores span
+// select_topk (one CTA of THREADS >= 256 threads): mask bit j set iff channel j is among the k largest
+// scores, ties toward the lower index. Radix select: first by bit length (65 bins: the scores span
 // many orders of magnitude, so a plain top-byte pass would put nearly every key in bin 0), then by 8-bit
-// digits below the leading one; it stops as soon as the candidates of the current prefix are exactly
-// the ones still needed. Histogram adds are aggregated per warp (__match_any_sync).
+// digits below the leading one. Each pass also reduces the OR and the AND of its candidates' keys: bits
+// where every candidate agrees are skipped by the next window (the scores of one token are a float's
+// 24-bit significand shifted up, so the low bits are zero for all of them), and the select stops when no
+// bit below the decided ones differs (the remaining candidates are equal keys: ties by index) or when
+// the candidates of the chosen bin are exactly the ones still needed. The bin holding the need-th
+// largest key is found by a parallel suffix scan of the 256 bins (8 warp scans), not by a serial loop.
+// Histogram adds are aggregated per warp (__match_any_sync).
 DEV void hist_add(u32* hist, u32 bin, bool active) {
   const u32 m = __ballot_sync(0xFFFFFFFFu, active);
   if (!active) return;
@@ -341,78 +346,131 @@ DEV void hist_add(u32* hist, u32 bin, bool active) {
   if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
 }
 
-DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restrict__ mask) {
-  __shared__ u32 hist[256];
-  __shared__ u64 s_prefix, s_pmask;
-  __shared__ int s_need, s_all, s_top;
-  __shared__ int s_cnt[THREADS / 32];
-  for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask[i] = 0u;
-  for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
-  if (threadIdx.x == 0) {
-    s_prefix = 0;
-    s_pmask = 0;
-    s_need = k;
-    s_all = 0;
-    s_top = -1;
+struct Pick {
+  int bin, need, all;
+};
+
+// the bin d (0..255) with sum(hist[d+1..255]) < need <= sum(hist[d..255]); need in that bin; whether the
+// bin's count equals it. Requires 1 <= need <= sum(hist). Two __syncthreads.
+DEV Pick pick_bin(const u32* hist, int need, u32* s_wsum, int* s_pick) {
+  const int t = threadIdx.x, lane = t & 31;
+  u32 h = 0, inc = 0;
+  if (t < 256) {
+    h = hist[255 - t];
+    inc = h;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u32 v = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+      if (lane >= o) inc += v;
+    }
+    if (lane == 31) s_wsum[t >> 5] = inc;
   }
   __syncthreads();
+  if (t < 256) {
+    u32 before = inc - h;
+    for (int w = 0; w < (t >> 5); ++w) before += s_wsum[w];
+    if ((int)before < need && (int)(before + h) >= need) {
+      s_pick[0] = 255 - t;
+      s_pick[1] = need - (int)before;
+      s_pick[2] = (int)h == need - (int)before;
+    }
+  }
+  __syncthreads();
+  Pick p;
+  p.bin = s_pick[0];
+  p.need = s_pick[1];
+  p.all = s_pick[2];
+  return p;
+}
+
+// OR and AND of the keys over the CTA (neutral 0 / ~0 from threads without candidates), into s_oa[0..3]
+// (low/high words of OR, then of AND), which the caller reset to 0 / ~0 before the pass.
+DEV void or_and_add(u64 o, u64 a, u32* s_oa) {
+  const u32 olo = __reduce_or_sync(0xFFFFFFFFu, (u32)o), ohi = __reduce_or_sync(0xFFFFFFFFu, (u32)(o >> 32));
+  const u32 alo = __reduce_and_sync(0xFFFFFFFFu, (u32)a), ahi = __reduce_and_sync(0xFFFFFFFFu, (u32)(a >> 32));
+  if ((threadIdx.x & 31) == 0) {
+    atomicOr(s_oa, olo);
+    atomicOr(s_oa + 1, ohi);
+    atomicAnd(s_oa + 2, alo);
+    atomicAnd(s_oa + 3, ahi);
+  }
+}
+
+DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restrict__ mask) {
+  static_assert(THREADS >= 256 && THREADS % 32 == 0, "select_topk scans 256 bins with 8 warps");
+  __shared__ u32 hist[256];
+  __shared__ u32 s_wsum[8];
+  __shared__ u32 s_oa[4];
+  __shared__ int s_pick[3];
+  __shared__ int s_cnt[THREADS / 32];
+  k = min(k, K);
+  for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask[i] = 0u;
+  for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
+  if (threadIdx.x < 4) s_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
+  __syncthreads();
+  u64 pf = 0, pm = 0;  // decided bits (mask) and their values: the candidates are (key & pm) == pf
+  int need = k, all = 0;
   if (k > 0) {
     // stage 1: bit length
+    u64 o = 0, a = ~0ull;
     for (int base = 0; base < K; base += THREADS) {
       const int j = base + threadIdx.x;
       const u64 key = j < K ? __ldcg(scores + j) : 0ull;
       hist_add(hist, (u32)(64 - __clzll((long long)key)), j < K);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int need = k, L = 64;
-      for (; L > 0; --L) {
-        if ((int)hist[L] >= need) break;
-        need -= (int)hist[L];
-      }
-      s_all = ((int)hist[L] == need);
-      s_need = need;
-      s_top = L - 1;  // the candidates' leading-one position (-1: the candidates are 0)
-      s_pmask = L == 64 ? ~0ull : ~((1ull << L) - 1ull);  // bits above the leading one must be zero...
-      s_prefix = 0;
-      if (L > 0) {  // ... and the leading one set
-        s_pmask |= 1ull << (L - 1);
-        s_prefix = 1ull << (L - 1);
+      if (j < K) {
+        o |= key;
+        a &= key;
       }
     }
+    or_and_add(o, a, s_oa);
     __syncthreads();
-    // stage 2: 8-bit digits below the leading one
-    for (int hi = s_top - 1; hi >= 0; hi -= 8) {
-      if (s_all || s_need <= 0) break;
-      const int lo = hi >= 7 ? hi - 7 : 0;
-      const int width = hi - lo + 1;
+    Pick p = pick_bin(hist, need, s_wsum, s_pick);
+    const int L = p.bin;  // the candidates' bit length (0: the candidates are 0)
+    need = p.need;
+    all = p.all;
+    pm = L == 64 ? 0ull : ~((1ull << L) - 1ull);  // bits above the leading one are zero...
+    if (L > 0) {  // ... and the leading one set
+      pm |= 1ull << (L - 1);
+      pf = 1ull << (L - 1);
+    }
+    u64 diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
+    int lo = L - 1;  // bits [0, lo) are undecided
+    // stage 2: 8-bit windows starting at the highest bit below lo where the candidates differ
+    while (!all && lo > 0) {
+      const u64 below = diff & ((1ull << lo) - 1ull);
+      if (!below) break;  // the candidates are equal keys
+      const int hi = 63 - __clzll((long long)below);
+      const int wlo = hi >= 7 ? hi - 7 : 0;
+      const int width = hi - wlo + 1;
+      const u64 wmask = ((1ull << width) - 1ull);
+      __syncthreads();  // every thread has read s_oa and hist of the last pass
       for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
+      if (threadIdx.x < 4) s_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
       __syncthreads();
-      const u64 pf = s_prefix, pm = s_pmask;
+      o = 0;
+      a = ~0ull;
       for (int base = 0; base < K; base += THREADS) {
         const int j = base + threadIdx.x;
         const u64 key = j < K ? __ldcg(scores + j) : 0ull;
         const bool cand = j < K && (key & pm) == pf;
-        hist_add(hist, (u32)((key >> lo) & ((1ull << width) - 1ull)), cand);
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int need = s_need, d = (1 << width) - 1;
-        for (; d > 0; --d) {
-          if ((int)hist[d] >= need) break;
-          need -= (int)hist[d];
+        hist_add(hist, (u32)((key >> wlo) & wmask), cand);
+        if (cand) {
+          o |= key;
+          a &= key;
         }
-        s_all = ((int)hist[d] == need);
-        s_need = need;
-        s_prefix = pf | ((u64)d << lo);
-        s_pmask = pm | ((((1ull << width) - 1ull)) << lo);
       }
+      or_and_add(o, a, s_oa);
       __syncthreads();
+      p = pick_bin(hist, need, s_wsum, s_pick);
+      need = p.need;
+      all = p.all;
+      pf |= (u64)p.bin << wlo;
+      pm |= wmask << wlo;
+      diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
+      lo = wlo;
     }
   }
   __syncthreads();
-  const u64 pf = s_prefix, pm = s_pmask;
-  const int need = s_need, all = s_all;
   // contiguous index ranges per thread: ties resolved in index order by a block scan of tie counts
   const int per = (K + THREADS - 1) / THREADS;
   const int j0 = threadIdx.x * per, j1 = min(K, j0 + per);
@@ -529,7 +587,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     for (int i = 0; i < 16; ++i) mx = max(mx, mag_bits(v[i]));
   }
   mx = block_max_u32(mx, sm);
-  if (threadIdx.x == 0) amax_bits_out[0] = mx;
+  if (threadIdx.x == 0) {
+    amax_bits_out[0] = mx;
+    s_amax[0] = mx;  // phase 4 recomputes the globals from here (fewer registers live across the select)
+  }
   const float amax = __uint_as_float(mx);
   const Glob g = globals(amax);
   if (threadIdx.x == 0) s_dec_out[0] = g.s_dec;
@@ -586,11 +647,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
   for (long p = threadIdx.x; p < total; p += THREADS) {
     const int c = (int)(p / M), m = (int)(p - (long)c * M);
 #if PER_TOKEN
-    const Glob g = globals(__uint_as_float(s_amax[m]));
+    const Glob gx = globals(__uint_as_float(s_amax[m]));
     const Glob gr = globals(__uint_as_float(s_ramax[m]));
     if (c == 0) s_dec_r_out[m] = gr.s_dec;
+#else
+    const Glob gx = globals(__uint_as_float(s_amax[0]));
 #endif
-    residual_block(x + (size_t)m * sx + 16 * c, g, gr, s_mask[(16 * c) >> 5] >> ((16 * c) & 31), lim,
+    residual_block(x + (size_t)m * sx + 16 * c, gx, gr, s_mask[(16 * c) >> 5] >> ((16 * c) & 31), lim,
                    br + (size_t)m * sbr + 16 * c);
   }
 #endif
