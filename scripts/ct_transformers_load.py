@@ -2,6 +2,9 @@
 bf16 weights that differ from qpass.nvfp4_dequantize of a qpass/modelopt export of the same rollout.
 
     PYTHONPATH=src python scripts/ct_transformers_load.py CT_DIR QPASS_OR_MODELOPT_DIR
+
+Provenance (lab file; scripts/README.md): produced
+`docs/results/export/default_compressed_tensors_transformers_load.txt`, cited in docs/results/export.md.
 """
 import sys, torch
 from transformers import AutoModelForCausalLM

@@ -9,6 +9,11 @@
     ct       QPASS_DIR CT_DIR                 decode the compressed-tensors export as compressed-tensors does
                                               (bf16(code * fl(s_b / weight_global_scale)), checked against the real
                                               transformers load in tests/test_export.py) vs qpass.nvfp4_dequantize
+
+Provenance (lab file; scripts/README.md): produced
+`docs/results/export/default_modelopt_vs_qpass_te_reference.json` (listing),
+`docs/results/export/default_requantize_vs_modelopt.json` (bytes) and
+`docs/results/export/default_compressed_tensors_decode_vs_qpass.json` (ct), cited in docs/results/export.md.
 """
 
 from __future__ import annotations

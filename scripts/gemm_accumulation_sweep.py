@@ -7,6 +7,9 @@ times ``launch_nvfp4_gemm`` with ``accumulation="mma"`` and with two-level accum
 ``promote_k`` (products per tensor-core partial sum; 1 = every K tile), and reports each one's time
 relative to ``mma`` and its relative Frobenius error against an fp64 product of the same bf16
 operands. Times are ``triton.testing.do_bench`` medians (L2 flushed between calls).
+
+Provenance (lab file; scripts/README.md): produced `docs/results/h200/accumulation_sweep.json` (BENCHMARKS.md,
+the accumulation sweep); needs a CUDA GPU.
 """
 
 from __future__ import annotations

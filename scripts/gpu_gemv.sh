@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced `docs/results/h200/gemv/`
+# (BENCHMARKS.md, small-M GEMV).
 # GPU run of the small-M NVFP4 GEMV (issue 14): its selfcheck rows, then the decode M <= 4 benchmark
 # grid (GEMV vs the old GEMM path, BF16 cuBLAS, FP8, the INT4 peers; Llama-8B and SmolLM2 shapes).
 #

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced `docs/results/h200/grpo/`
+# (docs/results/grpo.md, GRPO on the H200).
 # GRPO on the H200: bf16, naive_nvfp4, w4a16_qat, quads_nvfp4 and fp8_block with the same seed,
 # prompts, sampling seeds and budget, in ONE process (model loaded and both graphs captured once).
 #

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced
+# `docs/results/h200/grpo_long_attempt1/` and `docs/results/h100/grpo_long_larger/` (docs/results/grpo.md, long
+# runs).
 # Long GRPO runs on the H200 (issue 13): rollout speed with/without CUDA graphs, then bf16,
 # naive_nvfp4, qat_only and quads_nvfp4 trained for $STEPS steps each, same seed, chained over
 # several calls of this script through checkpoints that stay on the (warm) GPU machine.
@@ -25,7 +28,7 @@
 #   over the unfinished recipes) HARD_S (525: hard stop of the grpo process) RECIPES
 #   (bf16,naive_nvfp4,qat_only,quads_nvfp4) PROMPTS (8) GROUP (8) MAX_NEW (16) LR (3e-5)
 #   TASK (larger) TEMPLATE (larger_fewshot) TEMPERATURE (0.7) REWARD (first): the calibration of
-#   docs/RESULTS.md "Task calibration" that meets the W4A4 step-0 reward target ("Which is larger,
+#   docs/results/grpo.md that meets the W4A4 step-0 reward target ("Which is larger,
 #   47 or 52?" after two worked examples, exact match of the response's first integer);
 #   DIFFICULTY (2) and OPERATORS (empty: the preset's) apply to TASK=arithmetic only (the earlier
 #   default was TASK=arithmetic DIFFICULTY=2 OPERATORS=+ TEMPLATE=terse TEMPERATURE=1.0 REWARD=exact) SEED (0) RATIO (coupled) CORRECTION (none) MINIBATCHES (4) EPOCHS (1)

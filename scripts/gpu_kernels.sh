@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced
+# `docs/results/h200/selfcheck.json`, `docs/results/h200/bench.json` and `docs/results/h200_peers/`
+# (BENCHMARKS.md).
 # GPU run of the qpass Triton kernels (H200 / sm_90): large-shape correctness, then the benchmark
 # (kernel grid + the end-to-end decode step under CUDA graphs, one process, one bench.json).
 #

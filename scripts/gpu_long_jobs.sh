@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): ran the background jobs behind
+# `docs/results/h100/grpo_long_larger/` and `docs/results/h100/weight_qdq_speed.json` (docs/results/grpo.md,
+# long jobs).
 # Long jobs on the GPU box that outlive one device call (each call <= 10 min): started in their own
 # process session (setsid), so they keep running between the calls of one warm lease, and collected
 # by a later call into one archive under $OUT (a call brings back at most 8 files).

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced `docs/results/h200/megatron/`
+# (docs/results/megatron.md, Megatron learner on the H200).
 # The Megatron-core learner on the H200 (issue 12), TP=1 with CUDA, one call, < 8 min:
 #   1. logits of the Megatron GPTModel vs the HF model (fp32 and bf16), fake-quant W_hat / NVFP4
 #      bytes per site vs qpass's learner QDQ (quads_nvfp4, 210 sites)  -> $OUT/megatron/parity_cuda.json

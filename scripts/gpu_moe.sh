@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced `docs/results/moe/h200/`
+# (docs/results/moe.md and docs/DESIGN.md, MoE).
 # GPU run of the grouped NVFP4 experts GEMM (issue 15): bit-identity checks, then timing at
 # QUADS-like expert shapes (H 2048, I 1024, E 64 local experts, top-8, T in {16, 512, 4096}).
 #

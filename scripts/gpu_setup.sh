@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Role (scripts/README.md): the GPU box's environment, sourced by every gpu_*.sh launcher; produces no result.
 # Source this on the GPU box (from the repository root) before any qpass command there.
 #
 #  * makes qpass importable without installing it: PYTHONPATH=src (the src layout holds every

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced `docs/results/h200/study.json` /
+# `docs/results/h200/study.md` (docs/results/quads_study.md, QUADS study on the H200).
 # QUADS study (qpass study) on the H200: the full ablation set on CUDA, <= 5 min wall time.
 #
 # Run from the repository root on the GPU box. qpass is not installed there: if `qpass.apps.study` is not

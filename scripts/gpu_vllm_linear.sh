@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced
+# `docs/results/vllm/h200/vllm_linear.json` (docs/results/engines.md and README, vLLM linear method on CUDA).
 # GPU check of the vLLM plugin's linear method WITHOUT vLLM (vLLM cannot be installed on the GPU box):
 # the parts of qpass.backends.vllm.plugin that run inside vLLM's layers are qpass functions
 # (qpass.checkpoint.linear.finish_loading / served_linear, plugin.check_all_loaded / _checked_loader),

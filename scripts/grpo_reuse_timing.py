@@ -1,6 +1,6 @@
 """Before/after per-step GRPO times of weight-quantization reuse (issue 13), in one process.
 
-    PYTHONPATH=src python scripts/grpo_reuse_timing.py --model default --recipe quads_nvfp4 --steps 2 \
+    PYTHONPATH=src:. python scripts/grpo_reuse_timing.py --model default --recipe quads_nvfp4 --steps 2 \
         --out docs/results/grpo_long/reuse_timing_cpu.json
 
 Builds two identical trainers on the same model and recipe: one with the quantization reuse of
@@ -13,6 +13,10 @@ for bit. Prints and writes the ``time/*`` keys per step and the mean ratio off /
 The structure mirrors the H200 long runs (4 micro-batches, 4 minibatches of one micro-batch each,
 decoupled PPO ratio, no BF16 shadow by default) at a CPU-sized batch. CPU numbers: the reference
 quantizer's share of a step differs on a GPU.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/grpo_long/reuse_timing_cpu_tiny.json` and
+`docs/results/grpo_long/reuse_timing_cpu_default.txt` (docs/results/grpo.md, weight-quantization reuse of issue
+13).
 """
 
 from __future__ import annotations
@@ -46,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
     from qpass.apps.grpo.grpo import GRPOConfig, GRPOTrainer
     from qpass.apps.grpo.weights import snapshot_rollout_constants
     from qpass.graph.model import LoadedModel, load_model
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from qpass.quant.reuse import ReuseStore
     from qpass.recipe import load_recipe
     from qpass.rl.task import ArithmeticTask, difficulty_preset
-    from tests.test_grpo import FakeTok, text_hash_reward
+    from tests.test_grpo import FakeTok, text_hash_reward  # the repository root on PYTHONPATH (usage line)
 
     if a.model == "tiny":
         from tests.conftest import tiny_llama

@@ -12,10 +12,16 @@ everything else. Rules (docs/DESIGN.md, "Import map and seams"):
 1. core never imports backends or apps;
 2. backends never import apps;
 3. ``qpass.runtime`` never imports ``qpass.passes``;
-4. no cycle among modules.
+4. no cycle among modules;
+5. no module imports a moved module's old path. A shim left at an old path is a file whose body is
+   ``moved(__name__, "<old>", "<new>")`` (:mod:`qpass._moved`); :func:`moved_aliases` reads those
+   calls, the graph gets the edge old -> new, and that one edge is exempt from rules 1-2 (the
+   shims in ``backends/triton`` alias modules that moved to ``apps/bench``). ``PENDING`` lists the
+   importers of old paths that are still to be updated (each one an edge that must exist).
 
 Usage: ``python scripts/import_map.py [--edges]``: prints the layer-to-layer map (and every edge
-with ``--edges``) and the violations; exit 1 if there are any.
+with ``--edges``), the pending old-path imports and the violations; exit 1 if there are any.
+Tested by tests/test_import_map.py.
 """
 
 from __future__ import annotations
@@ -27,6 +33,17 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src"
+
+# Importers of moved modules' old paths not yet updated (rule 5), (importer, old path). Owner:
+# backends/cuda/devcheck.py was being edited in parallel when the Triton tooling moved to
+# qpass.apps.bench (issue 33); its lazy imports should name qpass.apps.bench.{triton_bench,e2e,peers}
+# (and the device check itself belongs in apps/bench). Delete each row with its import: a row whose
+# edge no longer exists fails tests/test_import_map.py.
+PENDING = frozenset({
+    ("qpass.backends.cuda.devcheck", "qpass.backends.triton.bench"),
+    ("qpass.backends.cuda.devcheck", "qpass.backends.triton.bench_e2e"),
+    ("qpass.backends.cuda.devcheck", "qpass.backends.triton.peers"),
+})
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -94,11 +111,34 @@ def _under(mod: str, pkg: str) -> bool:
     return mod == pkg or mod.startswith(pkg + ".")
 
 
+def moved_aliases(root: Path = ROOT) -> dict[str, str]:
+    """``{old path: new path}`` of every shim: a module with a top-level call
+    ``moved(__name__, "<old>", "<new>")`` (string constants).
+
+    Raises:
+        ValueError: a shim declares an old path that is not its own module name.
+    """
+    out = {}
+    for mod, path in module_files(root).items():
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            call = node.value if isinstance(node, ast.Expr) else None
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "moved" and len(call.args) == 3):
+                continue
+            old, new = (a.value if isinstance(a, ast.Constant) else None for a in call.args[1:])
+            if old != mod or not isinstance(new, str):
+                raise ValueError(f"{path}: moved() must name its own module {mod!r} and a string target, got {old!r}, {new!r}")
+            out[old] = new
+    return out
+
+
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """``{module: {imported qpass modules}}``."""
+    """``{module: {imported qpass modules}}``; a shim's edge to the module it aliases included."""
     files = module_files(root)
     names = set(files)
-    return {m: imports_of(m, p, names) for m, p in files.items()}
+    graph = {m: imports_of(m, p, names) for m, p in files.items()}
+    for old, new in moved_aliases(root).items():
+        graph[old].add(new)
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -139,15 +179,23 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-def violations(graph: dict[str, set[str]], allowed: set[tuple[str, str]] | frozenset = frozenset()) -> list[str]:
+def violations(graph: dict[str, set[str]], allowed: set[tuple[str, str]] | frozenset = frozenset(),
+               aliases: dict[str, str] | None = None) -> list[str]:
     """Every broken rule, one line each (``rule: a -> b``; cycles list their modules).
 
-    ``allowed``: edges ``(a, b)`` to leave out of the graph first (a temporary, explicit allow-list).
+    ``allowed``: edges ``(a, b)`` to leave out of the graph first (a temporary, explicit allow-list,
+    e.g. ``PENDING``). ``aliases``: :func:`moved_aliases` of the same tree (without it a shim's edge
+    to its new module counts like any other edge).
     """
+    aliases = aliases or {}
     graph = {a: {b for b in bs if (a, b) not in allowed} for a, bs in graph.items()}
     out = []
     for a in sorted(graph):
         for b in sorted(graph[a]):
+            if b in aliases:
+                out.append(f"moved: {a} -> {b} (import {aliases[b]})")
+            if aliases.get(a) == b:
+                continue  # the shim's own alias edge
             la, lb = layer(a), layer(b)
             if la == "core" and lb in ("backends", "apps"):
                 out.append(f"core->{lb}: {a} -> {b}")
@@ -180,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.edges:
         for m in sorted(g):
             print(f"{m} -> {', '.join(sorted(g[m])) or '-'}")
-    bad = violations(g)
+    aliases = moved_aliases()
+    print(f"{len(aliases)} moved module(s) with a shim at the old path, {len(PENDING)} pending old-path import(s)")
+    for a, b in sorted(PENDING):
+        print(f"  pending: {a} -> {b} (import {aliases.get(b, '?')})")
+    bad = violations(g, PENDING, aliases)
     print(f"{len(bad)} violation(s)")
     for v in bad:
         print("  " + v)

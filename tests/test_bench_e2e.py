@@ -1,7 +1,7 @@
 """``qpass bench``'s end-to-end decode section (issue 14) and the issue's targets in ``_targets``.
 
 On CPU the section runs at toy sizes under ``--smoke`` (reference kernels, the decode step through
-``DecodeGraph``'s captured path with :class:`~qpass.backends.triton.bench_e2e.EagerReplay`); nothing is
+``DecodeGraph``'s captured path with :class:`~qpass.apps.bench.e2e.EagerReplay`); nothing is
 timed here. What is checkable: the rows (models, recipes, batch sizes), and that the decode step the
 benchmark times computes exactly what an eager call of the same step on an independent rollout
 computes.
@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from qpass.backends.triton import bench
-from qpass.backends.triton.bench import E2E_SECTION, Results, Row, _targets
-from qpass.backends.triton.bench_e2e import (
+from qpass.apps.bench import triton_bench as bench
+from qpass.apps.bench.triton_bench import E2E_SECTION, Results, Row, _targets
+from qpass.apps.bench.e2e import (
     E2E_MODELS,
     E2E_RECIPES,
     decode_inputs,
@@ -117,8 +117,8 @@ def test_targets_issue14_rows_on_hand_made_results():
 def test_e2e_models_plan_and_flags():
     """The two architectures as issue 14 names them, B-major priority order, and the CLI flags."""
     from qpass.apps.bench import build_bench_parser
-    from qpass.backends.triton.bench import e2e_plan
-    from qpass.backends.triton.bench_e2e import LLAMA8B_4L, SMOLLM2_135M
+    from qpass.apps.bench.triton_bench import e2e_plan
+    from qpass.apps.bench.e2e import LLAMA8B_4L, SMOLLM2_135M
 
     s, b = SMOLLM2_135M.config, LLAMA8B_4L.config
     assert (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
@@ -138,7 +138,7 @@ def test_e2e_models_plan_and_flags():
 def test_e2e_section_that_cannot_start_is_an_error_not_a_crash(monkeypatch):
     """A missing dependency of the model build (the H200 run of 2026-12-04 had no pydantic) is recorded
     in ``errors`` and the full run goes on to the rest of the grid, instead of ending it."""
-    from qpass.backends.triton import bench
+    from qpass.apps.bench import triton_bench as bench
 
     def boom(smoke):
         raise ModuleNotFoundError("No module named 'pydantic'")

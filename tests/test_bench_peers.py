@@ -1,9 +1,9 @@
-"""The 4-bit peers ``qpass bench`` times (qpass.backends.triton.peers): quantization and the CPU twin of tinygemm."""
+"""The 4-bit peers ``qpass bench`` times (qpass.apps.bench.peers): quantization and the CPU twin of tinygemm."""
 
 import pytest
 import torch
 
-from qpass.backends.triton.peers import int4_g128_quantize, tinygemm
+from qpass.apps.bench.peers import int4_g128_quantize, tinygemm
 
 
 def test_int4_g128_codes_and_rounding_error_bound():

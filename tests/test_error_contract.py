@@ -46,7 +46,7 @@ def no_heavy_work(monkeypatch):
     monkeypatch.setattr(qpass.graph.model, "load_model", tripwire)
     monkeypatch.setattr(qpass.pipeline.Pipeline, "prepare", classmethod(tripwire))
     try:
-        import qpass.backends.triton.bench as tb
+        import qpass.apps.bench.triton_bench as tb
 
         monkeypatch.setattr(tb, "run", tripwire)
     except ImportError:

@@ -1,7 +1,7 @@
 """Compile representative kernels for sm_90 without a GPU (ptxas from the triton wheel).
 
 Catches Triton frontend / layout / ptxas errors in CI; the full variant list is
-``python -m qpass.backends.triton.aot``.
+``python -m qpass.apps.bench.aot``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-from qpass.backends.triton import aot
+from qpass.apps.bench import aot
 from qpass.backends.triton._loader import kernel_lib
 
 _PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

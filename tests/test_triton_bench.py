@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from qpass.apps.cli import main as cli_main
-from qpass.backends.triton import bench
+from qpass.apps.bench import triton_bench as bench
 
 _SRC = str(Path(bench.__file__).resolve().parents[3])  # the tree under test, first on sys.path
 

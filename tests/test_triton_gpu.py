@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_selfcheck_quick_on_gpu():
-    from qpass.backends.triton.selfcheck import Report, checks
+    from qpass.apps.bench.triton_selfcheck import Report, checks
 
     rep = Report()
     checks(rep, torch.device("cuda"), big=4096, quick=True)

@@ -152,7 +152,7 @@ def test_the_launchers_run_with_numpy_2_4_scalar_rules(monkeypatch):
     """``qpass bench --quick``'s correctness set (every kernel family: quantizers, RAC, W4A16/W4A4
     GEMM and GEMV, FP8) with NumPy's ndim > 0 scalar conversion an error, as in NumPy 2.4."""
     pytest.importorskip("triton")
-    from qpass.backends.triton import bench
+    from qpass.apps.bench import triton_bench as bench
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=NUMPY_24, category=DeprecationWarning)

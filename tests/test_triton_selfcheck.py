@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qpass.backends.triton as qt
-from qpass.backends.triton.selfcheck import Report, checks
+from qpass.apps.bench.triton_selfcheck import Report, checks
 
 
 def test_selfcheck_tiny_passes_on_the_interpreter():
@@ -60,7 +60,7 @@ def test_only_selects_checks_by_any_of_several_substrings():
 def test_out_naming_a_directory_exits_2_before_any_check(tmp_path, capsys):
     """``--out`` is the report's file path; a directory there was found only after the first check ran,
     as an IsADirectoryError traceback from the atomic write (on an H100, 2026-12-07)."""
-    from qpass.backends.triton import selfcheck
+    from qpass.apps.bench import triton_selfcheck as selfcheck
 
     with pytest.raises(SystemExit) as e:
         selfcheck.main(["--out", str(tmp_path)])

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Why is the bf16 GRPO gap exactly 0 in the long runs (docs/RESULTS.md "Long runs on the H200") but
+# Provenance (lab launcher for the GPU box; scripts/README.md): produced
+# `docs/results/h200/bf16_gap_probe/` (docs/results/grpo.md, long runs on the H200).
+# Why is the bf16 GRPO gap exactly 0 in the long runs (docs/results/grpo.md) but
 # 0.036 in the speed runs? Two GRPO steps of the bf16 recipe per arm, on the GPU, one process per
 # arm; prints gap/token/g_abs and gap/max_abs per step. Arms differ in one setting each from the
 # long-run settings (terse template, 16 new tokens, 8 prompts x 8 samples, micro-batch 16, CUDA graphs on).

@@ -4,6 +4,9 @@ For each W4A4 variant: y_eager = op(x); capture op(x_static) in a CUDA graph; co
 replay, compare with y_eager bit for bit; then a second x' (different values, same shape): replay vs
 eager on x'. Also the step-level check on a tiny Llama (quads_nvfp4, triton): eager twice.
 Prints one line per case; writes $OUT/graph_replay_probe.json.
+
+Provenance (lab file; scripts/README.md): produced
+`docs/results/h200/cuda_graph_probe/graph_replay_probe.json` (docs/results/grpo.md); needs a CUDA GPU.
 """
 import json
 import os

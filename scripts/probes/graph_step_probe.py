@@ -1,20 +1,24 @@
 """Step-level eager vs CUDA-graph decode on a tiny Llama (H200 probe): which RAC setting differs, and is eager
-itself repeatable? One line per (kernels, variant); $OUT/graph_step_probe.json."""
+itself repeatable? One line per (kernels, variant); $OUT/graph_step_probe.json.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/h200/cuda_graph_probe/graph_step_probe.json`
+and `docs/results/h200/kv_reset/graph_step_probe_after_kv_reset.json` (docs/results/grpo.md, long runs on the H200
+and "CUDA graphs with the reference kernels"). Run from the repository root with the tests package importable:
+`PYTHONPATH=src:. OUT=... python3 scripts/probes/graph_step_probe.py` (PROBE_DEVICE=cuda by default).
+"""
 import json
 import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, ".")
-import qpass.backends.triton  # noqa: E402,F401
-from qpass.graph.model import LoadedModel  # noqa: E402
-from qpass.ops import use_kernels  # noqa: E402
-from qpass.pipeline import Pipeline  # noqa: E402
-from qpass.recipe import load_recipe  # noqa: E402
-from qpass.runtime.engine import make_rollout_engine  # noqa: E402
-from tests.conftest import tiny_llama  # noqa: E402
+import qpass.backends.triton  # noqa: F401
+from qpass.graph.model import LoadedModel
+from qpass.ops import use_kernels
+from qpass.pipeline import Pipeline
+from qpass.recipe import load_recipe
+from qpass.runtime.engine import make_rollout_engine
+from tests.conftest import tiny_llama  # the repository root on PYTHONPATH (see the docstring)
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
 pipe = Pipeline.prepare(loaded=LoadedModel(model=tiny_llama().to(DEV), tokenizer=None, name="tiny-llama", source="random"),

@@ -12,6 +12,9 @@ each engine configuration (vLLM default = prefix caching on; prefix caching off)
   must be 0, else the replay itself is not the rollout's computation).
 
 Writes one JSON document; prints a one-line summary per (configuration, prompt).
+
+Provenance (lab file; scripts/README.md): produced `docs/results/vllm/divergence_probe.json` (docs/results/engines.md,
+vLLM rollout engine); needs vllm.
 """
 
 from __future__ import annotations

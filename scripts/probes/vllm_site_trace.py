@@ -10,6 +10,9 @@ input kind (vLLM fuses q/k/v and gate/up: one call where qpass makes three / two
 input). Per matched input: max |x_vLLM - x_qpass| / max |x|, whether the per-tensor activation global
 scale bits are equal, how many packed NVFP4 code bytes (two E2M1 codes each) and E4M3 block-scale bytes differ, whether the RAC
 channel sets are equal; and the relative output difference. Writes one JSON document.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/vllm/site_trace_prompt3.json`
+(docs/results/engines.md and docs/DESIGN.md, vLLM rollout engine); needs vllm.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ and flushed-block count are compared between the backends (``torch.equal``).
 
 Usage (GPU box): ``python3 scripts/probes/weight_qdq_speed.py --out $OUT/weight_qdq_speed.json``.
 Prints one line per backend and the ratio reference/triton of the medians.
+
+Provenance (lab file; scripts/README.md): produced `docs/results/h100/weight_qdq_speed.json` (BENCHMARKS.md
+and docs/results/grpo.md, learner weight QDQ speed); needs a CUDA GPU.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("export", "qpass.apps.export:main_export", "qpass.apps.export:build_export_parser"),
     Command("calibrate", "qpass.apps.calibrate:main_calibrate", "qpass.apps.calibrate:build_calibrate_parser"),
     Command("recipes", "qpass.apps.cli:_recipes"),
-    Command("bench", "qpass.apps.bench:main", "qpass.apps.bench:build_bench_parser"),  # implementation: qpass.backends.triton.bench
+    Command("bench", "qpass.apps.bench.cli:main", "qpass.apps.bench.cli:build_bench_parser"),  # implementation: qpass.apps.bench.triton_bench
     Command("grpo", "qpass.apps.grpo.cli:grpo_main", "qpass.apps.grpo.cli:build_grpo_parser"),
     Command("grpo-plot", "qpass.apps.grpo.cli:grpo_plot_main", "qpass.apps.grpo.cli:build_plot_parser"),
     Command("grpo-compare", "qpass.apps.grpo.cli:grpo_compare_main", "qpass.apps.grpo.cli:build_compare_parser"),

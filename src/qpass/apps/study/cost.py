@@ -17,7 +17,7 @@ The quantization work (elements passed through the NVFP4 quantizer per token) is
 
 Timing (CUDA only): median microseconds of one eager ``torch.ops.qpass.nvfp4_linear`` call under
 the study's kernel backend (Python dispatch and launch overhead included), timed with
-:func:`qpass.backends.triton.bench.time_fn` when that module imports (``do_bench`` median, L2 flushed), else with
+:func:`qpass.apps.bench.triton_bench.time_fn` when that module imports (``do_bench`` median, L2 flushed), else with
 CUDA events. On CPU no time is reported (FLOPs only).
 """
 
@@ -131,9 +131,9 @@ def time_rac_linear(
 
     timer_name = "cuda events"
     try:
-        from qpass.backends.triton.bench import time_fn  # noqa: F401 - the project's timer when its deps import
+        from qpass.apps.bench.triton_bench import time_fn  # noqa: F401 - the project's timer when its deps import
 
-        timer_name = "qpass.backends.triton.bench.time_fn"
+        timer_name = "qpass.apps.bench.triton_bench.time_fn"
     except Exception:  # noqa: BLE001 - bench needs triton; fall back to events
         time_fn = None  # type: ignore[assignment]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -167,7 +167,7 @@ def time_rac_linear(
 
 def _time(call: Any, time_fn: Any) -> float:
     """Median us of ``call()``, eager (launch overhead included; the reference op syncs the host,
-    so it cannot be graph-captured): ``qpass.backends.triton.bench.time_fn`` or, if that cannot run (no triton),
+    so it cannot be graph-captured): ``qpass.apps.bench.triton_bench.time_fn`` or, if that cannot run (no triton),
     CUDA events over 20 calls."""
     if time_fn is not None:
         try:

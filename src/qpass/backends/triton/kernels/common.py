@@ -124,7 +124,7 @@ def add_rn(a, b):
     Promotes a tensor-core partial sum into the outer float32 accumulator. On the GPU it is an
     inline ``add.rn.f32``: Triton's combiner rewrites a plain ``acc + dot(a, b, 0)`` into
     ``dot(a, b, acc)``, which would put the sum back inside the tensor core (checked in the sm_90
-    SASS by ``qpass.backends.triton.aot``).
+    SASS by ``qpass.apps.bench.aot``).
     """
     if INTERP:
         return a + b

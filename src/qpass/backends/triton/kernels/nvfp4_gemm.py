@@ -369,7 +369,7 @@ def _configs(small: bool, promote: bool = False):
     """Autotune candidates (BN weight rows x BM tokens x BK).
 
     With two-level accumulation the 128 x 256 / 256 x 128 tiles would spill (two float32 tiles of 128
-    registers per thread each; ``python -m qpass.backends.triton.aot``). Its large tiles keep
+    registers per thread each; ``python -m qpass.apps.bench.aot``). Its large tiles keep
     BM = 256 tokens per decoded weight tile (what made 128 x 256 the fastest ``mma`` tile: half the
     decode work per FLOP of BM = 128) with BN = 64 weight rows: 237-243 registers, no spills, except
     with the dense RAC operand, for which :func:`_prune` drops them."""
@@ -391,7 +391,7 @@ def _configs(small: bool, promote: bool = False):
 def _prune(configs, named_args, **kwargs):
     """The dense RAC operand (SEG2 = 1) under two-level accumulation keeps four float32 tiles live
     (the two accumulations of SPEC §3.1 and their partials): only the 64 x 64 tiles fit the registers
-    there (``python -m qpass.backends.triton.aot --full --filter seg2=1``: 128 x 128 and 64 x 128 spill
+    there (``python -m qpass.apps.bench.aot --full --filter seg2=1``: 128 x 128 and 64 x 128 spill
     312-344 B of stack); with ``accumulation="mma"`` and either RAC operand the 256-wide tiles go.
     Every other launch keeps the full list."""
     if kwargs.get("SEG2") == 1 and kwargs.get("PROMOTE_K", 0) > 0:

@@ -237,7 +237,7 @@ SPLIT_BN = 8  # weight rows per program when K is split
 
 
 # (BN weight rows, BK columns, warps): 2-4 code words (16-32 weight elements) per thread and tile.
-# Checked in the sm_90 compile (``python -m qpass.backends.triton.aot --full --filter gemv``,
+# Checked in the sm_90 compile (``python -m qpass.apps.bench.aot --full --filter gemv``,
 # ``tests/test_triton_aot.py``): no spills, and no shared memory in the K loop - the scale bytes land
 # in the threads that hold their words. Not every tile has that property: 4 x 512 on 2 warps,
 # 4 x 256 on 1 and 4 x 1024 on 4 convert a tile through shared memory every iteration; at 8 words

@@ -1,11 +1,11 @@
 """``qpass bench``: the command line of the Triton kernel benchmark.
 
-The parser lives here, in the app layer, so ``qpass --help`` and the CLI tree work without triton
-and the benchmark gets the shared flags of :mod:`qpass.apps.cliutil` (``--threads``, ``-v``) like
-every other subcommand. The implementation stays next to the Triton backend
-(:mod:`qpass.backends.triton.bench`: :class:`~qpass.backends.triton.bench.BenchOptions`,
-:func:`~qpass.backends.triton.bench.run`) and is imported only when the command runs: without
-triton that import raises :class:`~qpass.errors.MissingDependencyError` (exit 2 with the install hint).
+This module imports nothing but argparse and :mod:`qpass.apps.cliutil`, so ``qpass --help`` and the
+CLI tree work without triton, and the benchmark gets the shared flags (``--threads``, ``-v``) like
+every other subcommand. The implementation (:mod:`qpass.apps.bench.triton_bench`:
+:class:`~qpass.apps.bench.triton_bench.BenchOptions`, :func:`~qpass.apps.bench.triton_bench.run`) is
+imported only when the command runs: without triton that import raises
+:class:`~qpass.errors.MissingDependencyError` (exit 2 with the install hint).
 
 Not offered: ``--dtype`` (the kernels' operands are bf16 by contract; there is no model) and
 ``--force`` (the output is one JSON file, rewritten as results arrive so a killed run keeps them).
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from qpass.atomic import check_output_file
 
         check_output_file(a.out, "--out")  # before the benchmark, not when its first result is written
-    from qpass.backends.triton import bench  # needs triton: MissingDependencyError names the extra
+    from qpass.apps.bench import triton_bench as bench  # needs triton: MissingDependencyError names the extra
 
     if a.threads:
         import torch
