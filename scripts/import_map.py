@@ -34,16 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src"
 
-# Importers of moved modules' old paths not yet updated (rule 5), (importer, old path). Owner:
-# backends/cuda/devcheck.py was being edited in parallel when the Triton tooling moved to
-# qpass.apps.bench (issue 33); its lazy imports should name qpass.apps.bench.{triton_bench,e2e,peers}
-# (and the device check itself belongs in apps/bench). Delete each row with its import: a row whose
-# edge no longer exists fails tests/test_import_map.py.
-PENDING = frozenset({
-    ("qpass.backends.cuda.devcheck", "qpass.backends.triton.bench"),
-    ("qpass.backends.cuda.devcheck", "qpass.backends.triton.bench_e2e"),
-    ("qpass.backends.cuda.devcheck", "qpass.backends.triton.peers"),
-})
+# Importers of moved modules' old paths not yet updated (rule 5), (importer, old path); each row
+# must match a real edge (a stale row fails tests/test_import_map.py). Empty: every importer moved.
+PENDING: frozenset[tuple[str, str]] = frozenset()
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:

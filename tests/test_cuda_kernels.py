@@ -1,6 +1,6 @@
 """CPU tier of the CUDA (NVRTC) kernels in ``qpass.backends.cuda``.
 
-The kernels run only on a GPU (``python -m qpass.backends.cuda.devcheck`` checks them there against
+The kernels run only on a GPU (``python -m qpass.apps.bench.cuda_check`` checks them there against
 the reference, bit for bit where the arithmetic is exact); here:
 
 * the power-of-two carrier of the tensor-core operand decode (SPEC §3.1), modelled with the same bit

@@ -1,10 +1,10 @@
-"""The BENCHMARKS.md CUDA tables are generated from the raw devcheck files (qpass.backends.cuda.devcheck_tables)."""
+"""The BENCHMARKS.md CUDA tables are generated from the raw devcheck files (qpass.apps.bench.cuda_tables)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from qpass.backends.cuda import devcheck_tables as dt
+from qpass.apps.bench import cuda_tables as dt
 
 RUN2 = Path(__file__).resolve().parents[1] / "docs" / "results" / "cuda_kernels" / "run2_h100"
 

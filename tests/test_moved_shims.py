@@ -24,6 +24,8 @@ OLD_TO_NEW = {
     "qpass.backends.triton.selfcheck": "qpass.apps.bench.triton_selfcheck",
     "qpass.backends.triton.moe_check": "qpass.apps.bench.moe_check",
     "qpass.backends.triton.aot": "qpass.apps.bench.aot",
+    "qpass.backends.cuda.devcheck": "qpass.apps.bench.cuda_check",
+    "qpass.backends.cuda.devcheck_tables": "qpass.apps.bench.cuda_tables",
 }
 
 
@@ -59,3 +61,8 @@ def test_python_m_bench_is_qpass_bench():
 def test_moved_rejects_a_shim_naming_another_module():
     with pytest.raises(ValueError, match="shim 'qpass.x' declares old path 'qpass.y'"):
         moved("qpass.x", "qpass.y", "qpass.z")
+
+
+def test_old_devcheck_tables_path_runs_the_new_module_with_its_exit_status(tmp_path):
+    r = _run_m("qpass.backends.cuda.devcheck_tables", str(tmp_path))
+    assert r.returncode == 2 and "no devcheck.json or e2e.json" in r.stderr, r.stderr

@@ -5,7 +5,7 @@ route takes the call (:mod:`qpass.backends.cuda.ops`), and on the Triton kernels
 other op and the quantizers are the Triton backend's. Off CUDA the backend resolves to the
 reference kernels (:func:`qpass.kernel_select.effective_backend`). The CUDA routes compute the same
 SPEC §3.1 function as the Triton and reference kernels (same operands bit for bit, accumulation
-within the SPEC bound); ``python -m qpass.backends.cuda.devcheck`` checks that on a GPU.
+within the SPEC bound); ``python -m qpass.apps.bench.cuda_check`` checks that on a GPU.
 """
 
 from __future__ import annotations
