@@ -13,20 +13,12 @@ from pathlib import Path
 import pytest
 
 from qpass._moved import moved
+from tests.test_import_map import OLD_TRITON_TOOLING
 
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD_TO_NEW = {
-    "qpass.backends.triton.bench": "qpass.apps.bench.triton_bench",
-    "qpass.backends.triton.bench_e2e": "qpass.apps.bench.e2e",
-    "qpass.backends.triton.peers": "qpass.apps.bench.peers",
-    "qpass.backends.triton.selfcheck": "qpass.apps.bench.triton_selfcheck",
-    "qpass.backends.triton.moe_check": "qpass.apps.bench.moe_check",
-    "qpass.backends.triton.aot": "qpass.apps.bench.aot",
-    "qpass.backends.cuda.devcheck": "qpass.apps.bench.cuda_check",
-    "qpass.backends.cuda.devcheck_tables": "qpass.apps.bench.cuda_tables",
-}
+OLD_TO_NEW = OLD_TRITON_TOOLING  # one table of old -> new paths (tests/test_import_map.py)
 
 
 @pytest.mark.parametrize("old", sorted(OLD_TO_NEW))
