@@ -26,12 +26,8 @@
 #   SEED (0) KERNELS (triton if it imports on a CUDA device, else reference) BUDGET_S (420)
 #   HARD_S (465) CORRECTION (is) EVAL_PROMPTS (64) RECIPES (the five above, comma-separated)
 #   DEVICE (cuda; "cpu" for a dry run) EXTRA (extra CLI arguments, e.g. "--beta 0.01")
-set -u
-set -o pipefail
-REPO="$(pwd)"
-OUT="${OUT:-$REPO/gpu_out}"
-mkdir -p "$OUT"
-START=$(date +%s)
+# shellcheck disable=SC1091
+source "$(pwd)/scripts/gpu_common.sh"
 
 if ! python3 -c "import qpass.apps.grpo.cli" >/dev/null 2>&1; then
   if [ -f "$REPO/scripts/gpu_setup.sh" ]; then

@@ -36,13 +36,9 @@
 #   PARALLEL (1: one grpo process per recipe, all on the one GPU, each with the whole SEG_S; 0: one
 #   process, SEG_S split over the recipes) EVAL_PROMPTS (400) EVAL_EVERY (10) KERNELS (triton if importable, else reference)
 #   SPEED_RECIPES (bf16,quads_nvfp4) SPEED_STEPS (3) CKPT_DIR DEVICE (cuda) EXTRA
-set -u
-set -o pipefail
 MODE="${1:-all}"
-REPO="$(pwd)"
-OUT="${OUT:-$REPO/gpu_out}"
-mkdir -p "$OUT"
-START=$(date +%s)
+# shellcheck disable=SC1091
+source "$(pwd)/scripts/gpu_common.sh"
 LOG="$OUT/grpo_long.log"
 
 if ! python3 -c "import qpass.apps.grpo.cli" >/dev/null 2>&1; then

@@ -14,18 +14,14 @@
 # budgets below, seconds; each can be set from the environment; SELFCHECK_S=0 skips the selfcheck): selfcheck <= SELFCHECK_S; benchmark budget = what is left of TOTAL_S after
 # the selfcheck, the summary and the hard-stop margin (at most BENCH_MAX_S), of which E2E_S is reserved
 # for the end-to-end section (the kernel steps before it stop E2E_S early); hard stop budget + MARGIN_S.
-set -u
 TOTAL_S=${TOTAL_S:-520}        # whole script, < 540 s (9 min)
 SELFCHECK_S=${SELFCHECK_S:-180}    # (a) selfcheck hard limit
 BENCH_MAX_S=${BENCH_MAX_S:-300}    # (b) benchmark budget cap
 E2E_S=${E2E_S:-180}          # (b) of the benchmark budget, reserved for the end-to-end decode section
 MARGIN_S=${MARGIN_S:-40}        # (b) hard stop after the budget: a step in progress may finish
 SUMMARY_S=${SUMMARY_S:-10}       # (c) summary
-set -o pipefail
-REPO="$(pwd)"
-OUT="${OUT:-$REPO/gpu_out}"
-mkdir -p "$OUT"
-START=$(date +%s)
+# shellcheck disable=SC1091
+source "$(pwd)/scripts/gpu_common.sh"
 
 # --- qpass importable without installing (the same shim as every other GPU script)
 # shellcheck disable=SC1091

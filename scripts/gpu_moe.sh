@@ -12,12 +12,8 @@
 # Look for: every line PASS (operands bit-exact vs the reference quantizer, grouped == each expert
 # alone in bits, rel_fro < 1e-5), and in the timing table grouped_gemm_rac_operands_ready /
 # grouped_w4a4_rac_end_to_end vs per_expert_w4a4_rac_loop and bf16_per_expert_mm_loop.
-set -u
-set -o pipefail
-REPO="$(pwd)"
-OUT="${OUT:-$REPO/gpu_out}"
-mkdir -p "$OUT"
-START=$(date +%s)
+# shellcheck disable=SC1091
+source "$(pwd)/scripts/gpu_common.sh"
 # shellcheck disable=SC1091
 source "$REPO/scripts/gpu_setup.sh"
 unset TRITON_INTERPRET

@@ -20,12 +20,8 @@
 #
 # Knobs (environment): PROMPTS (24) MAX_NEW (32) BATCH (24) SEED (0) KERNELS (auto) TOTAL_S (285)
 #   RATIOS (0,12.5,25,50,75,100) EXTRA (extra CLI arguments)
-set -u
-set -o pipefail
-REPO="$(pwd)"
-OUT="${OUT:-$REPO/gpu_out}"
-mkdir -p "$OUT"
-START=$(date +%s)
+# shellcheck disable=SC1091
+source "$(pwd)/scripts/gpu_common.sh"
 LOG="$OUT/study.log"
 
 if ! python3 -c "import qpass.apps.study" >/dev/null 2>&1; then

@@ -30,7 +30,7 @@ WITH_CLI = [f for f in PY if "argparse" in (SCRIPTS / f).read_text()]
 def test_readme_has_one_row_per_file():
     rows = re.findall(r"^\| `([^`]+)` \|", (SCRIPTS / "README.md").read_text(), flags=re.M)
     assert sorted(rows) == FILES
-    assert len(FILES) == 32 and len(SH) == 11
+    assert len(FILES) == 33 and len(SH) == 12
 
 
 def test_nothing_edits_sys_path():

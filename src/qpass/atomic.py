@@ -27,7 +27,7 @@ from pathlib import Path
 
 from qpass.errors import QpassError
 
-__all__ = ["AtomicDir", "OutputBusy", "atomic_dir", "check_output_file", "check_output_location", "check_output_path", "current_umask", "write_atomic"]
+__all__ = ["AtomicDir", "OutputBusy", "atomic_dir", "check_output_file", "check_output_location", "check_output_path", "current_umask", "pid_alive", "write_atomic"]
 
 
 def current_umask() -> int:
@@ -206,7 +206,8 @@ def _rename_noreplace(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0; a process of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -260,7 +261,7 @@ class AtomicDir:
         try:
             text = self.lock.read_text()
             host, pid = text.split()
-            return host == socket.gethostname() and not _pid_alive(int(pid))
+            return host == socket.gethostname() and not pid_alive(int(pid))
         except FileNotFoundError:
             return True
         except (OSError, ValueError):

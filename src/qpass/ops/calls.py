@@ -45,6 +45,17 @@ def _check_k(x: torch.Tensor, k: int, site: str) -> None:
         raise QuantizationError(f"input has K={x.shape[-1]} but the weight has K={k} at site {site}")
 
 
+class _WeightKChecked:
+    """Base of a call dataclass with fields ``x [..., K]``, ``weight`` (shape ``[N, K]``) and ``site``.
+
+    Raises:
+        QuantizationError: at construction, ``x``'s last dim is not the weight's K (names the site).
+    """
+
+    def __post_init__(self) -> None:
+        _check_k(self.x, int(self.weight.shape[-1]), self.site)  # type: ignore[attr-defined]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class NVFP4LinearCall:
     """One call of ``qpass::nvfp4_linear``: ``y [..., N] = x [..., K] @ W^T (+ bias)`` with NVFP4 weights.
@@ -192,7 +203,7 @@ class NVFP4LinearCall:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FP8LinearCall:
+class FP8LinearCall(_WeightKChecked):
     """One call of ``qpass::fp8_linear``: W8A8 FP8 E4M3 ``y [..., N] = x [..., K] @ W^T (+ bias)``.
 
     Fields (stable):
@@ -211,9 +222,6 @@ class FP8LinearCall:
     act: FP8Spec
     site: str
     out_dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        _check_k(self.x, int(self.weight.shape[-1]), self.site)
 
     @property
     def weight_spec(self) -> QuantSpec:
@@ -246,7 +254,7 @@ class FP8LinearCall:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MXFP4LinearCall:
+class MXFP4LinearCall(_WeightKChecked):
     """One call of ``qpass::mxfp4_linear``: MXFP4 weight-only ``y = x @ W^T (+ bias)``.
 
     Fields (stable):
@@ -260,9 +268,6 @@ class MXFP4LinearCall:
     bias: torch.Tensor | None
     site: str
     out_dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        _check_k(self.x, int(self.weight.shape[-1]), self.site)
 
     @property
     def weight_spec(self) -> QuantSpec:

@@ -35,6 +35,7 @@ def check_float_input(
     min_dim: int = 2,
     name: str | None = None,
     site: str | None = None,
+    finite: bool = True,
 ) -> None:
     """Reject input a quantizer cannot encode faithfully.
 
@@ -44,10 +45,12 @@ def check_float_input(
         multiple_of: required divisor of the last dimension (16 for NVFP4, 32 for MXFP4).
         min_dim: smallest accepted ``x.dim()``.
         name, site: what to call the tensor in the message.
+        finite: also check for NaN/inf (reads ``x`` back: a sync). False where the caller checks
+            finiteness itself (the Triton quantizers, through amax bits): then nothing syncs.
     Raises:
         QuantizationError: not a tensor; integer/bool/complex/float64 dtype; fewer than ``min_dim``
-            dims; zero elements; last dim not a multiple of ``multiple_of``; any NaN or +-inf
-            (the message gives the count and the first index).
+            dims; zero elements; last dim not a multiple of ``multiple_of``; with ``finite``, any NaN
+            or +-inf (the message gives the count and the first index).
     """
     where = describe(name, site)
     if not isinstance(x, torch.Tensor):
@@ -68,7 +71,7 @@ def check_float_input(
             f"k must be a multiple of {multiple_of}, got x.shape={tuple(x.shape)} for {where} "
             f"({op}; pad whole blocks with zeros explicitly if that is what you want)"
         )
-    if not sync_checks_enabled(x.device):
+    if not finite or not sync_checks_enabled(x.device):
         return
     finite = torch.isfinite(x)
     if not bool(finite.all()):

@@ -15,7 +15,7 @@ paired. Sites are named by their module path (``model.layers.0.mlp.up_proj``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -137,6 +137,19 @@ RolloutFactory = Callable[..., RolloutEngine]
 LearnerFactory = Callable[..., LearnerEngine]
 _ROLLOUT: dict[str, RolloutFactory] = {"qpass": GraphRolloutEngine}
 _LEARNER: dict[str, LearnerFactory] = {"qpass": GraphLearnerEngine}
+_F = TypeVar("_F", RolloutFactory, LearnerFactory)
+
+
+def _registrar(table: dict[str, _F], kind: str, name: str) -> Callable[[_F], _F]:
+    """The decorator that enters a factory into ``table`` as ``name`` (``kind`` names the table in the error)."""
+
+    def deco(factory: _F) -> _F:
+        if table.get(name, factory) is not factory:
+            raise QpassError(f"{kind} engine {name!r} is already registered ({table[name]!r})")
+        table[name] = factory
+        return factory
+
+    return deco
 
 
 def register_rollout_engine(name: str) -> Callable[[RolloutFactory], RolloutFactory]:
@@ -145,14 +158,7 @@ def register_rollout_engine(name: str) -> Callable[[RolloutFactory], RolloutFact
     Raises:
         QpassError: ``name`` is taken by another factory.
     """
-
-    def deco(factory: RolloutFactory) -> RolloutFactory:
-        if _ROLLOUT.get(name, factory) is not factory:
-            raise QpassError(f"rollout engine {name!r} is already registered ({_ROLLOUT[name]!r})")
-        _ROLLOUT[name] = factory
-        return factory
-
-    return deco
+    return _registrar(_ROLLOUT, "rollout", name)
 
 
 def register_learner_engine(name: str) -> Callable[[LearnerFactory], LearnerFactory]:
@@ -161,14 +167,7 @@ def register_learner_engine(name: str) -> Callable[[LearnerFactory], LearnerFact
     Raises:
         QpassError: ``name`` is taken by another factory.
     """
-
-    def deco(factory: LearnerFactory) -> LearnerFactory:
-        if _LEARNER.get(name, factory) is not factory:
-            raise QpassError(f"learner engine {name!r} is already registered ({_LEARNER[name]!r})")
-        _LEARNER[name] = factory
-        return factory
-
-    return deco
+    return _registrar(_LEARNER, "learner", name)
 
 
 def rollout_engines() -> list[str]:
@@ -181,16 +180,21 @@ def learner_engines() -> list[str]:
     return sorted(_LEARNER)
 
 
+def _registered(table: dict[str, _F], kind: str, name: str) -> _F:
+    """``table[name]``; raises QpassError naming the registered ones if there is none."""
+    if name not in table:
+        raise QpassError(f"unknown {kind} engine {name!r}; registered: {sorted(table)} "
+                         "(engines of optional backends register when the app loads them)")
+    return table[name]
+
+
 def make_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
     """Construct the rollout engine registered as ``name`` (the built-in one is ``"qpass"``).
 
     Raises:
         QpassError: unknown name (the message lists the registered ones).
     """
-    if name not in _ROLLOUT:
-        raise QpassError(f"unknown rollout engine {name!r}; registered: {sorted(_ROLLOUT)} "
-                         "(engines of optional backends register when the app loads them)")
-    return _ROLLOUT[name](**kwargs)
+    return _registered(_ROLLOUT, "rollout", name)(**kwargs)
 
 
 def make_learner_engine(name: str, **kwargs: Any) -> LearnerEngine:
@@ -199,10 +203,7 @@ def make_learner_engine(name: str, **kwargs: Any) -> LearnerEngine:
     Raises:
         QpassError: unknown name (the message lists the registered ones).
     """
-    if name not in _LEARNER:
-        raise QpassError(f"unknown learner engine {name!r}; registered: {sorted(_LEARNER)} "
-                         "(engines of optional backends register when the app loads them)")
-    return _LEARNER[name](**kwargs)
+    return _registered(_LEARNER, "learner", name)(**kwargs)
 
 
 def as_rollout_engine(obj: RolloutEngine | QGraph, *, pad_token_id: int, eos_token_id: int | Sequence[int]) -> RolloutEngine:

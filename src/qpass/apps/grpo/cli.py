@@ -736,10 +736,9 @@ def grpo_plot_main(argv: Sequence[str] | None = None) -> int:
     from qpass.apps.grpo.plots import load_run, plot_runs
 
     ap = build_plot_parser()
-    try:
-        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as exc:
-        return _exit_code(exc)
+    a = _parse_or_status(ap, argv)
+    if isinstance(a, int):
+        return a
     from qpass.atomic import check_output_file
     from qpass.errors import QpassError
 
@@ -793,10 +792,9 @@ def compare_arms_from_args(a: argparse.Namespace) -> tuple[dict[str, list[Path]]
 def grpo_compare_main(argv: Sequence[str] | None = None) -> int:
     """``qpass grpo-compare RUN... --out F.json`` (arguments after the subcommand). Returns the exit status."""
     ap = build_compare_parser()
-    try:
-        a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as exc:
-        return _exit_code(exc)
+    a = _parse_or_status(ap, argv)
+    if isinstance(a, int):
+        return a
     from qpass.apps.grpo.plots import load_run
     from qpass.atomic import check_output_file, write_atomic
     from qpass.diagnostics.compare import compare_runs, to_markdown
@@ -833,6 +831,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"usage: qpass {{{','.join(commands)}}} ...", file=sys.stderr)
         return 2
     return commands[args[0]](args[1:])
+
+
+def _parse_or_status(ap: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace | int:
+    """``ap.parse_args(argv)`` (``sys.argv[1:]`` when None), or argparse's exit status (--help: 0, usage error: 2)."""
+    try:
+        return ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return _exit_code(exc)
 
 
 def _exit_code(exc: SystemExit) -> int:

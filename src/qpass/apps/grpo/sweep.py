@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from qpass.apps.cliutil import add_kernels, add_verbose, pos_float, pos_int
+from qpass.atomic import pid_alive
 
 __all__ = ["ARMS", "ARM_SETS", "Arm", "Job", "build_sweep_parser", "plan_jobs", "sweep_main"]
 
@@ -274,21 +275,11 @@ def _done(state: Path, job: Job, steps: int) -> bool:
     return bool(s) and int(s.get("steps_done") or 0) >= steps
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def _lock(state: Path):
     p = state / "sweep.lock"
     old = _read_json(p)
-    if old and _pid_alive(int(old.get("pid", -1))) and int(old["pid"]) != os.getpid():
+    if old and pid_alive(int(old.get("pid", -1))) and int(old["pid"]) != os.getpid():
         raise SweepError(f"{state} is in use by sweep process {old['pid']} (its lock {p})")
     from qpass.jsonio import write_json
 
@@ -541,12 +532,12 @@ def _collect(plan: _Plan, out: Path, *, force: bool) -> list[Path]:
 def _status(plan: _Plan) -> int:
     state = plan.args.state
     lock = _read_json(state / "sweep.lock")
-    if lock and _pid_alive(int(lock.get("pid", -1))):
+    if lock and pid_alive(int(lock.get("pid", -1))):
         print(f"grpo-sweep: running (pid {lock['pid']})")
     for j in plan.jobs:
         rec = _read_json(_job_file(state, j.name)) or {}
         summ = _read_json(state / "runs" / j.name / "summary.json") or {}
-        alive = rec.get("rc") is None and rec.get("pid") and _pid_alive(int(rec["pid"]))
+        alive = rec.get("rc") is None and rec.get("pid") and pid_alive(int(rec["pid"]))
         what = "running" if alive else ("not started" if not rec else f"exit {rec.get('rc')}")
         print(f"{j.name}: {what}; steps {summ.get('steps_done', 0)}/{plan.args.steps} ({summ.get('stop_reason', '-')})")
     return 0

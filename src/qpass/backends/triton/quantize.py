@@ -11,7 +11,7 @@ import torch
 
 from qpass.errors import QuantizationError
 from qpass.formats.spec import NVFP4_ACT_PER_TOKEN, NVFP4_WEIGHT, NVFP4Spec
-from qpass.quant.checks import FLOAT_INPUT_DTYPES, describe
+from qpass.quant.checks import check_float_input, describe
 from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor
 from qpass.backends.triton._loader import kernel_lib
 
@@ -19,21 +19,12 @@ _NONFINITE_BITS = 0x7F800000  # bits(|x|) >= this <=> |x| is inf or NaN
 
 
 def check_shape(x: torch.Tensor, op: str, multiple_of: int | None, name: str | None, site: str | None) -> None:
-    """Shape/dtype validation that needs no device sync (finiteness is checked through amax bits)."""
-    where = describe(name, site)
-    if not isinstance(x, torch.Tensor):
-        raise QuantizationError(f"{op} expects a torch.Tensor, got {type(x).__name__} for {where}")
-    if x.dtype not in FLOAT_INPUT_DTYPES:
-        raise QuantizationError(f"{op} expects bf16/fp16/fp32 input, got dtype={x.dtype} for {where}")
-    if x.dim() < 2:
-        raise QuantizationError(f"{op} expects a tensor with at least 2 dims [rows, k], got shape={tuple(x.shape)} for {where}")
-    if x.numel() == 0:
-        raise QuantizationError(f"{op} got an empty tensor, shape={tuple(x.shape)} for {where}")
-    if multiple_of and x.shape[-1] % multiple_of:
-        raise QuantizationError(
-            f"k must be a multiple of {multiple_of}, got x.shape={tuple(x.shape)} for {where} "
-            f"({op}; pad whole blocks with zeros explicitly if that is what you want)"
-        )
+    """Shape/dtype validation that needs no device sync (finiteness is checked through amax bits).
+
+    Raises:
+        QuantizationError: as :func:`qpass.quant.checks.check_float_input` with ``finite=False``.
+    """
+    check_float_input(x, op=op, multiple_of=multiple_of, name=name, site=site, finite=False)
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
