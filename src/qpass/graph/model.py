@@ -122,9 +122,12 @@ def load_model(model: str = "default", *, dtype: torch.dtype = torch.bfloat16, d
         else:
             raise CaptureError(f"{model!r} is neither a .gguf file nor a Hugging Face model directory with config.json")
     kwargs = {"gguf_file": gguf} if gguf else {}
+    from qpass.graph.gguf_once import gguf_parsed_once
+
     try:
-        tok = AutoTokenizer.from_pretrained(str(directory), **kwargs)
-        lm = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
+        with gguf_parsed_once():  # tokenizer, config and weights share one parse of the GGUF
+            tok = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+            lm = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised with the path named
         raise CaptureError(f"could not load a causal LM from {directory}{'/' + gguf if gguf else ''}: {exc}") from exc
     if tok.pad_token is None:
