@@ -25,7 +25,8 @@ def _is_jit(fn: ast.FunctionDef) -> bool:
 
 
 def launches() -> dict[tuple[str, str], set[str]]:
-    """``{(file stem, jit kernel): {top-level functions that launch it with a grid}}``."""
+    """``{(file stem, jit kernel): {top-level functions that launch it with a grid, or hand it to a
+    ``launch_*`` dispatch helper as its first argument}}``."""
     out: dict[tuple[str, str], set[str]] = {}
     for path in sorted(KERNELS.glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -34,10 +35,16 @@ def launches() -> dict[tuple[str, str], set[str]]:
                 if a.name.endswith("_kernel")}  # kernels imported from a sibling (the split-K reduce)
         for top in tree.body:
             for node in ast.walk(top):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
-                        and isinstance(node.func.value, ast.Name) and node.func.value.id in jit:
-                    owner = top.name if isinstance(top, ast.FunctionDef) else "<module>"
+                if not isinstance(node, ast.Call):
+                    continue
+                owner = top.name if isinstance(top, ast.FunctionDef) else "<module>"
+                if isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name) \
+                        and node.func.value.id in jit:
                     out.setdefault((path.stem, node.func.value.id), set()).add(owner)
+                # a launcher handing its kernel to a shared grid-dispatch helper (launch_row_tiled(k, ...))
+                elif isinstance(node.func, ast.Name) and node.args and isinstance(node.args[0], ast.Name) \
+                        and node.args[0].id in jit and node.func.id.startswith("launch_"):
+                    out.setdefault((path.stem, node.args[0].id), set()).add(owner)
     return out
 
 
