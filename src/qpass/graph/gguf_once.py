@@ -42,27 +42,22 @@ def gguf_parsed_once() -> Iterator[dict[str, int]]:
     readers: dict[tuple[str, int, int], Any] = {}
     maps: dict[tuple[Any, int], Any] = {}
 
+    def memo(cache: dict, key: tuple, hit: str, miss: str, make: Any) -> Any:
+        counts[hit if key in cache else miss] += 1
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     def reader(path: os.PathLike[str] | str, mode: str = "r") -> Any:
         if mode != "r":
             return orig_reader(path, mode)
         p = Path(path).resolve()
         st = p.stat()
-        key = (str(p), st.st_size, st.st_mtime_ns)
-        if key in readers:
-            counts["reader_reuses"] += 1
-        else:
-            counts["reader_parses"] += 1
-            readers[key] = orig_reader(path, mode)
-        return readers[key]
+        return memo(readers, (str(p), st.st_size, st.st_mtime_ns), "reader_reuses", "reader_parses",
+                    lambda: orig_reader(path, mode))
 
     def name_map(arch: Any, n_blocks: int) -> Any:
-        key = (arch, n_blocks)
-        if key in maps:
-            counts["name_map_reuses"] += 1
-        else:
-            counts["name_map_builds"] += 1
-            maps[key] = orig_map(arch, n_blocks)
-        return maps[key]
+        return memo(maps, (arch, n_blocks), "name_map_reuses", "name_map_builds", lambda: orig_map(arch, n_blocks))
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
     try:

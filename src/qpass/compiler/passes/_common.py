@@ -11,6 +11,22 @@ from qpass.graph.sites import LINEAR_TARGETS, Site, groups_of, select_sites
 from qpass.compiler.manager import PassOptions
 
 
+def reject_foreign_options(opts: PassOptions, owners: dict[str, tuple[str, str]]) -> None:
+    """Refuse an option set explicitly in a recipe whose ``format`` does not own it.
+
+    Args:
+        opts: the pass options (a pydantic model with a ``format`` field).
+        owners: ``{option: (owning format, what the other formats do instead)}``, e.g.
+            ``{"granularity": ("fp8", "has none")}``.
+    Raises:
+        ValueError: ``"<option> is an <FORMAT> option; format '<format>' <instead>"``.
+    """
+    fmt = getattr(opts, "format")
+    for name, (owner, instead) in owners.items():
+        if fmt != owner and name in opts.model_fields_set:
+            raise ValueError(f"{name} is an {owner.upper()} option; format {fmt!r} {instead}")
+
+
 def selected(qg: QGraph, opts: PassOptions, *, need_nvfp4: bool = False) -> tuple[list[Site], list[tuple[str, str]]]:
     """Sites matching ``opts.targets``/``opts.exclude``; those NVFP4 cannot encode go to ``skipped``."""
     sites = select_sites(qg.sites.values(), opts.targets, opts.exclude)

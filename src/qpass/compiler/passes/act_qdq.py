@@ -27,7 +27,7 @@ from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewr
 from qpass.quant import qdq  # noqa: F401
 from qpass.tables import entry
 
-from qpass.compiler.passes._common import copy_meta, selected
+from qpass.compiler.passes._common import copy_meta, reject_foreign_options, selected
 
 
 class ActQDQOptions(PassOptions):
@@ -37,10 +37,7 @@ class ActQDQOptions(PassOptions):
 
     @pydantic.model_validator(mode="after")
     def _options_of_the_format(self) -> "ActQDQOptions":
-        if self.format != "nvfp4" and "per_token" in self.model_fields_set:
-            raise ValueError(f"per_token is an NVFP4 option; format {self.format!r} uses granularity")
-        if self.format != "fp8" and "granularity" in self.model_fields_set:
-            raise ValueError(f"granularity is an FP8 option; format {self.format!r} has none")
+        reject_foreign_options(self, {"per_token": ("nvfp4", "uses granularity"), "granularity": ("fp8", "has none")})
         return self
 
     def spec(self) -> QuantSpec:

@@ -40,7 +40,8 @@ from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewr
 from qpass.quant import qdq  # noqa: F401 - registers the ops
 from qpass.tables import entry
 
-from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, graph_order, grouped, selected
+from qpass.compiler.passes._common import (aten_linear_nodes, bias_arg, copy_meta, graph_order, grouped,
+                                           reject_foreign_options, selected)
 
 
 class WeightQDQOptions(PassOptions):
@@ -50,10 +51,7 @@ class WeightQDQOptions(PassOptions):
 
     @pydantic.model_validator(mode="after")
     def _options_of_the_format(self) -> "WeightQDQOptions":
-        if self.format != "nvfp4" and "arithmetic" in self.model_fields_set:
-            raise ValueError(f"arithmetic is an NVFP4 option; format {self.format!r} has none")
-        if self.format != "fp8" and "granularity" in self.model_fields_set:
-            raise ValueError(f"granularity is an FP8 option; format {self.format!r} has none")
+        reject_foreign_options(self, {"arithmetic": ("nvfp4", "has none"), "granularity": ("fp8", "has none")})
         return self
 
     def spec(self) -> QuantSpec:
