@@ -383,3 +383,48 @@ def test_cuda_routes_refuse_what_they_cannot_serve():
         assert not cops.routable(call(x, RACConfig(0.5, "gathered", "batch")))
         assert not cops.routable(call(x, RACConfig(0.5, "masked", "token")))
         assert not cops.routable(call(torch.zeros(1, 48, dtype=torch.bfloat16, device="cuda")))
+
+
+def _smem_add_u64_model(words: list[int], j: int, v: int) -> None:
+    """smem_add_u64 of nvfp4_act.cu on a little-endian u32 array: low word with return, carry into high."""
+    m32 = (1 << 32) - 1
+    lo, old = v & m32, words[2 * j]
+    words[2 * j] = (old + lo) & m32
+    hi = ((v >> 32) + (1 if ((old + lo) & m32) < old else 0)) & m32
+    if hi:
+        words[2 * j + 1] = (words[2 * j + 1] + hi) & m32
+
+
+def _fused_scores_model(terms: list[list[int]], threads: int = 1024) -> list[int]:
+    """Phase 2 of act_fused for M > 1: element p = c * M + m on thread p % threads of round p // threads;
+    per warp, a segmented suffix sum over the lanes holding the same block c (shuffle-down steps
+    o = 1, 2, 4, ... < min(M, 32)), and the segment's first lane adds the sum with smem_add_u64."""
+    m_rows, n_ch = len(terms), len(terms[0])
+    total = m_rows * n_ch
+    words = [0] * (2 * n_ch)
+    span = min(m_rows, 32)
+    for base in range(0, total, threads):
+        for w0 in range(base, base + threads, 32):
+            lanes = [w0 + lane for lane in range(32)]
+            c = [p // m_rows if p < total else -1 for p in lanes]
+            a = [terms[p % m_rows][c[i]] if p < total else 0 for i, p in enumerate(lanes)]
+            o = 1
+            while o < span:
+                a = [a[i] + (a[i + o] if i + o < 32 and c[i + o] == c[i] else 0) for i in range(32)]
+                o *= 2
+            for i in range(32):
+                if c[i] >= 0 and (i == 0 or c[i - 1] != c[i]) and a[i]:
+                    _smem_add_u64_model(words, c[i], a[i])
+    return [words[2 * j] | words[2 * j + 1] << 32 for j in range(n_ch)]
+
+
+def test_fused_score_sums_are_exact_for_every_batch_size():
+    """The one-CTA kernel's shared-memory scores equal the column sums of the integer terms, for batch
+    sizes that do and do not divide the warp, across round boundaries, with carries out of the low word."""
+    rng = torch.Generator().manual_seed(11)
+    for m_rows, n_ch in [(2, 48), (3, 40), (5, 33), (16, 80), (31, 9), (33, 7), (64, 20), (100, 11)]:
+        big = torch.randint(0, 2**61, (m_rows, n_ch), generator=rng)
+        terms = [[int(v) for v in row] for row in big]
+        terms[0][0] = 0xFFFFFFFF  # a low word that carries on the next add
+        got = _fused_scores_model(terms, threads=64 if m_rows * n_ch > 128 else 1024)
+        assert got == [sum(terms[i][j] for i in range(m_rows)) % 2**64 for j in range(n_ch)], (m_rows, n_ch)

@@ -404,6 +404,67 @@ def rollout_phase(budget_s: float, batch: int = 64, new_tokens: int = 64, prompt
     return rows
 
 
+PHASES_RAC = ("amax", "B_X + scores", "select", "B_R")
+PHASES_PLAIN = ("amax", "B_X")
+
+
+def act_profile(points, reps: int = 25) -> list[dict]:
+    """Phase clocks of the one-CTA ``act_fused`` kernel (act quant + RAC 50 %, and plain act quant):
+    per phase the median over ``reps`` launches of the %globaltimer delta (ns) and of the clock64 delta
+    (SM cycles) recorded by thread 0 after each phase's barrier."""
+    from qpass.backends.cuda import act as ca
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(2)
+    rows = []
+    for (m, k) in points:
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        for rac in (True, False):
+            names = PHASES_RAC if rac else PHASES_PLAIN
+            prof = torch.zeros(12, dtype=torch.int64, device=dev)
+            ns, cyc = [], []
+            for _ in range(reps):
+                ca.act_operands(x, rac_k=k // 2 if rac else None, fused=True, profile=prof)
+                t = prof.view(6, 2).cpu()
+                cyc.append((t[1:len(names) + 1, 0] - t[:len(names), 0]).tolist())
+                ns.append((t[1:len(names) + 1, 1] - t[:len(names), 1]).tolist())
+            med = lambda rows_, i: sorted(r[i] for r in rows_)[len(rows_) // 2]  # noqa: E731
+            row = {"shape": [m, k], "rac50": rac, "keep_r": ca.fused_smem_bytes(m, k, rac=rac)[1],
+                   "phase_ns": {n: med(ns, i) for i, n in enumerate(names)},
+                   "phase_cycles": {n: med(cyc, i) for i, n in enumerate(names)}}
+            row["total_ns"] = sum(row["phase_ns"].values())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def act_sweep(points, budget_s: float) -> list[dict]:
+    """act quant with and without RAC 50 % on the one-CTA kernel and on the multi-CTA chain, graph-replayed
+    (µs): the data behind ``act.py``'s size rule (which path takes a batch)."""
+    from qpass.apps.bench.triton_bench import time_fn
+    from qpass.backends.cuda import act as ca
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    t_end = time.monotonic() + budget_s
+    rows = []
+    for (m, k) in points:
+        if time.monotonic() > t_end:
+            rows.append({"shape": [m, k], "skipped": "budget"})
+            continue
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        row = {"shape": [m, k]}
+        row["default_fused"] = m * k <= ca.FUSED_MAX_ELEMS and m <= ca.FUSED_MAX_ROWS and k <= ca.FUSED_MAX_K
+        for fused in ((True, False) if m * k <= 262144 and m <= ca.FUSED_MAX_ROWS else (False,)):
+            tag = "fused" if fused else "multi"
+            row[f"plain_{tag}"] = time_fn(lambda i: (x.clone(),), lambda a, f=fused: ca.act_operands(a, fused=f), m * k * 2)[0]
+            row[f"rac50_{tag}"] = time_fn(lambda i: (x.clone(),), lambda a, f=fused: ca.act_operands(a, rac_k=k // 2, fused=f),
+                                          m * k * 2)[0]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
@@ -417,6 +478,9 @@ def main(argv=None) -> int:
     ap.add_argument("--with-e2e-large", type=float, default=60.0, help="seconds for the end-to-end batches > 16 (run last)")
     ap.add_argument("--e2e-models", default="all")
     ap.add_argument("--e2e-batches", default="1,16,64")
+    ap.add_argument("--act-sweep-s", type=float, default=45.0,
+                    help="seconds for the activation-kernel sweep (one-CTA vs multi-CTA) and the phase profile; 0: skip")
+    ap.add_argument("--only-act", action="store_true", help="the activation checks, sweep and profile only, then exit")
     args = ap.parse_args(argv)
     if args.e2e_only:
         out = Path(args.out)
@@ -461,12 +525,26 @@ def main(argv=None) -> int:
                     for fused in ((False, True) if m * k <= 65536 else (False,)):
                         acts.append(act_check(m, k, dtype, per_token=per_token, rac=rac, gen=gen, fused=fused))
     acts.append(act_check(8, 4096, torch.float32, per_token=False, rac=0.25, gen=gen))
+    # the one-CTA kernel's shared-memory scores: batch sizes that split a warp's lanes unevenly or span
+    # several warps, with the residual kept in shared memory or (64 x 1024: too large) recomputed
+    for (m, k) in [(33, 576), (5, 1536), (64, 1024), (128, 128), (2, 16384)]:
+        for per_token in (False, True):
+            acts.append(act_check(m, k, torch.bfloat16, per_token=per_token, rac=0.5, gen=gen, fused=True))
     for fused in (False, True):
         acts.append(act_check(4, 1024, torch.bfloat16, per_token=False, rac=0.5, gen=gen, fused=fused, ties=True))
         acts.append(act_check(1, 576, torch.bfloat16, per_token=True, rac=0.3, gen=gen, fused=fused, ties=True))
     rep["act_checks"] = acts
     for c in acts:
         print(json.dumps(c), flush=True)
+    if args.act_sweep_s:
+        pts = [(m, k) for m in (1, 4, 16, 64) for k in (576, 1536, 4096, 14336)]
+        rep["act_profile"] = act_profile([(1, 576), (1, 4096), (1, 14336), (16, 576), (16, 1536), (4, 4096)])
+        rep["act_sweep"] = act_sweep(pts, args.act_sweep_s)
+    if args.only_act:
+        rep["ok"] = all(c["ok"] for c in acts)
+        (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
+        print("OK" if rep["ok"] else "FAILED", f"{time.time() - t0:.0f}s")
+        return 0 if rep["ok"] else 1
     rep["bound_checks"] = checks
     for c in checks:
         print(json.dumps(c), flush=True)

@@ -25,6 +25,9 @@ SELECT_THREADS = 1024
 FUSED_MAX_ELEMS = 16384
 FUSED_MAX_ROWS = 128
 FUSED_MAX_K = 16384
+# dynamic shared memory a one-CTA RAC launch may take (H100/H200 allow 227 KiB per block; the static
+# arrays of act_fused take ~5 KiB): the K scores always fit (8 * FUSED_MAX_K = 128 KiB)
+SMEM_BUDGET = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +60,20 @@ def channel_mask(channels: torch.Tensor, k_dim: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
 
 
-def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site) -> ActOperands:
-    """The one-CTA chain (``act_fused``): same outputs as the multi-CTA kernels."""
+def fused_smem_bytes(m: int, k: int, *, rac: bool) -> tuple[int, bool]:
+    """Dynamic shared memory of one ``act_fused`` launch and whether it keeps the residual there:
+    the K channel scores (8 bytes each; reserved also with static channels) ahead of R (4 bytes per
+    element) when both fit in ``SMEM_BUDGET`` bytes."""
+    if not rac:
+        return 0, False
+    keys = 8 * k
+    with_r = keys + 4 * m * k
+    return (with_r, True) if with_r <= SMEM_BUDGET else (keys, False)
+
+
+def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site, profile=None) -> ActOperands:
+    """The one-CTA chain (``act_fused``): same outputs as the multi-CTA kernels. ``profile``: an int64
+    [12] CUDA tensor that receives (clock64, globaltimer ns) after each phase (``phase_profile``)."""
     m, k = x.shape
     dev = x.device
     rac = bool(rac_k)
@@ -69,11 +84,12 @@ def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site) -> ActOp
     mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev) if rac else None
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev) if rac else None
     s_dec_r = torch.empty(n_r, dtype=torch.float32, device=dev) if rac else None
-    scores = torch.empty(k, dtype=torch.int64, device=dev) if rac and static_mask is None else None
+    smem, keep_r = fused_smem_bytes(m, k, rac=rac)
     kern = runtime.get_kernel("nvfp4_act", "act_fused", dict(base, RAC=int(rac), THREADS=SELECT_THREADS), dev.index or 0)
     runtime.launch(kern, (1, 1, 1), (SELECT_THREADS, 1, 1),
-                   [x, m, k, x.stride(0), bx, bx.stride(0), s_dec_x, lim, amax_bits, scores, int(rac_k or 0),
-                    static_mask, mask, br, 0 if br is None else br.stride(0), s_dec_r], "piiipipfppipppip")
+                   [x, m, k, x.stride(0), bx, bx.stride(0), s_dec_x, lim, amax_bits, int(rac_k or 0),
+                    static_mask, mask, br, 0 if br is None else br.stride(0), s_dec_r, int(keep_r), profile],
+                   "piiipipfpipppipip", shared_bytes=smem)
     if check and bool((amax_bits >= 0x7F800000).any()):
         raise QuantizationError(f"activation at site {site} has NaN or inf values (nvfp4_quantize)")
     return ActOperands(bx, s_dec_x, br, s_dec_r, mask, amax_bits=amax_bits)
@@ -81,7 +97,8 @@ def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site) -> ActOp
 
 def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None = None,
                  static_mask: torch.Tensor | None = None, lim: float | None = None, check: bool = False,
-                 site: str | None = None, fused: bool | None = None) -> ActOperands:
+                 site: str | None = None, fused: bool | None = None,
+                 profile: torch.Tensor | None = None) -> ActOperands:
     """Quantize ``x [M, K]`` to the W4A4 operands (module docstring).
 
     Args:
@@ -94,6 +111,7 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
             ``qpass.quant.rac.activation_residual``: no fp16-range clamp, the GEMM multiplies ``B_X``).
         check: raise on NaN/inf input (synchronises with the host).
         fused: force (True) or forbid (False) the one-CTA kernel; default: by size.
+        profile: int64 [12] CUDA tensor for the one-CTA kernel's phase clocks (benchmarks only).
     Raises:
         QuantizationError: a shape the kernels do not take, or (``check``) a non-finite input.
     """
@@ -109,7 +127,8 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     base = dict(X_KIND=_X_KIND[x.dtype], PER_TOKEN=int(per_token), THREADS=THREADS)
     small = m * k <= FUSED_MAX_ELEMS and m <= FUSED_MAX_ROWS and k <= FUSED_MAX_K
     if fused or (fused is None and small):
-        return _fused(x, base, per_token=per_token, rac_k=rac_k, static_mask=static_mask, lim=lim, check=check, site=site)
+        return _fused(x, base, per_token=per_token, rac_k=rac_k, static_mask=static_mask, lim=lim, check=check, site=site,
+                      profile=profile)
     blocks = m * (k // 16)
     grid = max(1, min(4 * _sms(dev), -(-blocks // THREADS)))
     p = m if per_token else max(1, min(2 * _sms(dev), -(-blocks // THREADS)))
@@ -135,7 +154,9 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     if static_mask is None:
         mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev)
         ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS), di)
-        runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask], "piip")
+        smem_keys = 8 * k <= SMEM_BUDGET  # the select passes read shared memory, not L2
+        runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask, int(smem_keys)], "piipi",
+                       shared_bytes=8 * k if smem_keys else 0)
     else:
         mask = static_mask
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev)

@@ -159,6 +159,19 @@ def get_kernel(name: str, entry: str, defines: dict[str, int], device_index: int
         return k
 
 
+_SHARED_OPT_IN: dict[int, int] = {}
+
+
+def _allow_shared(driver, kernel: Kernel, nbytes: int) -> None:
+    """``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` of the kernel raised to ``nbytes`` (kept)."""
+    key = id(kernel.function)
+    if _SHARED_OPT_IN.get(key, 0) >= nbytes:
+        return
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _check(driver.cuFuncSetAttribute(kernel.function, attr, nbytes), f"cuFuncSetAttribute({kernel.name}, {nbytes} B)")
+    _SHARED_OPT_IN[key] = nbytes
+
+
 _ARG_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
 
 
@@ -170,6 +183,7 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, in
         args: kernel arguments in order; tensors and ``None`` for pointers (``p``), ints (``i``),
             floats (``f``), ``ctypes.Structure`` values passed by value (``s``), as ``sig`` spells
             them (one letter per argument).
+        shared_bytes: dynamic shared memory of the launch (above 48 KiB the kernel is opted in first).
     """
     import torch
 
@@ -185,6 +199,8 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, in
         else:
             holders.append(_ARG_TYPES[s](a))
     ptrs = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
+    if shared_bytes > 48 * 1024:  # above the default limit a kernel must opt in (once per function)
+        _allow_shared(driver, kernel, shared_bytes)
     stream = driver.CUstream(torch.cuda.current_stream(kernel.device).cuda_stream)
     _check(driver.cuLaunchKernel(kernel.function, *grid, *block, shared_bytes, stream, ctypes.addressof(ptrs), 0),
            f"cuLaunchKernel({kernel.name})")

@@ -396,7 +396,7 @@ DEV void or_and_add(u64 o, u64 a, u32* s_oa) {
   }
 }
 
-DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restrict__ mask) {
+DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
   static_assert(THREADS >= 256 && THREADS % 32 == 0, "select_topk scans 256 bins with 8 warps");
   __shared__ u32 hist[256];
   __shared__ u32 s_wsum[8];
@@ -415,7 +415,7 @@ DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restri
     u64 o = 0, a = ~0ull;
     for (int base = 0; base < K; base += THREADS) {
       const int j = base + threadIdx.x;
-      const u64 key = j < K ? __ldcg(scores + j) : 0ull;
+      const u64 key = j < K ? scores[j] : 0ull;
       hist_add(hist, (u32)(64 - __clzll((long long)key)), j < K);
       if (j < K) {
         o |= key;
@@ -451,7 +451,7 @@ DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restri
       a = ~0ull;
       for (int base = 0; base < K; base += THREADS) {
         const int j = base + threadIdx.x;
-        const u64 key = j < K ? __ldcg(scores + j) : 0ull;
+        const u64 key = j < K ? scores[j] : 0ull;
         const bool cand = j < K && (key & pm) == pf;
         hist_add(hist, (u32)((key >> wlo) & wmask), cand);
         if (cand) {
@@ -476,7 +476,7 @@ DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restri
   const int j0 = threadIdx.x * per, j1 = min(K, j0 + per);
   int ties = 0;
   if (k > 0)
-    for (int j = j0; j < j1; ++j) ties += ((__ldcg(scores + j) & pm) == pf);
+    for (int j = j0; j < j1; ++j) ties += ((scores[j] & pm) == pf);
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   int inc = ties;
   for (int o = 1; o < 32; o <<= 1) {
@@ -489,7 +489,7 @@ DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restri
   for (int i = 0; i < wid; ++i) before += s_cnt[i];
   if (k > 0)
     for (int j = j0; j < j1; ++j) {
-      const u64 key = __ldcg(scores + j), km = key & pm;
+      const u64 key = scores[j], km = key & pm;
       bool sel = km > pf;
       if (km == pf) {
         sel = all || before < need;
@@ -500,9 +500,19 @@ DEV void select_topk(const u64* __restrict__ scores, int K, int k, u32* __restri
   __syncthreads();
 }
 
+extern __shared__ u64 dyn_smem[];
+
 extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __restrict__ scores, int K, int k,
-                                                                u32* __restrict__ mask) {
-  select_topk(scores, K, k, mask);
+                                                                u32* __restrict__ mask, int smem_keys) {
+  // smem_keys: the host gave K * 8 bytes of dynamic shared memory; every select pass then reads its
+  // keys from shared memory instead of L2 (each pass re-reads all K keys)
+  const u64* keys = scores;
+  if (smem_keys) {
+    for (int j = threadIdx.x; j < K; j += THREADS) dyn_smem[j] = __ldcg(scores + j);
+    __syncthreads();
+    keys = dyn_smem;
+  }
+  select_topk(keys, K, k, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
@@ -534,6 +544,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
 // act_fused: the whole chain (amax, B_X, and with RAC the scores, the top-k and B_R) in ONE CTA, for
 // the small forward batches of decode (M <= FUSED_MAX_ROWS, M*K small): one launch instead of four,
 // the same arithmetic as act_amax + act_quant (+ rac_select + rac_residual).
+//
+// With RAC the CTA's dynamic shared memory holds the K channel scores (u64, 8K bytes) and, when the
+// host gave room for it (keep_r), the residual R itself (float, 4MK bytes, element-major
+// [16][M*K/16] so that a warp's accesses are conflict-free): the scores never go through L2 atomics,
+// every select pass reads shared memory, and the last phase quantizes R from shared memory instead of
+// reading and quantizing X again. Scores are sums of integers, so their bits do not depend on the
+// order of the additions: one row per thread when M == 1 (a plain store), otherwise a segmented sum
+// over the lanes of a warp that hold rows of the same 16-channel block, then one 64-bit add per
+// segment as two 32-bit shared atomics with the carry (smem_add_u64).
+//
+// prof (optional, u64[2 * 6]): thread 0 records clock64() and %globaltimer after each phase
+// (start, amax, B_X + scores, select, B_R, end) for the phase profile of the benchmarks.
 #ifndef FUSED_MAX_ROWS
 #define FUSED_MAX_ROWS 128
 #endif
@@ -541,11 +563,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
 #define FUSED_MAX_K 16384
 #endif
 
+// *p += v for a u64 in shared memory, exact modulo 2^64, with 32-bit atomics (the 64-bit shared
+// atomicAdd is a CAS loop on sm_90): the low word's carry is added to the high word.
+DEV void smem_add_u64(u64* p, u64 v) {
+  u32* w = (u32*)p;
+  const u32 lo = (u32)v;
+  const u32 old = atomicAdd(w, lo);
+  const u32 hi = (u32)(v >> 32) + ((u32)(old + lo) < old ? 1u : 0u);
+  if (hi) atomicAdd(w + 1, hi);
+}
+
+DEV void prof_mark(u64* prof, int i) {
+  if (prof && threadIdx.x == 0) {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    prof[2 * i] = (u64)clock64();
+    prof[2 * i + 1] = t;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     const xt* __restrict__ x, int M, int K, int sx, u16* __restrict__ bx, int sbx, float* __restrict__ s_dec_out,
-    float lim, u32* __restrict__ amax_bits_out, u64* __restrict__ scores, int rac_k,
-    const u32* __restrict__ static_mask, u32* __restrict__ mask_out, u16* __restrict__ br, int sbr,
-    float* __restrict__ s_dec_r_out) {
+    float lim, u32* __restrict__ amax_bits_out, int rac_k, const u32* __restrict__ static_mask,
+    u32* __restrict__ mask_out, u16* __restrict__ br, int sbr, float* __restrict__ s_dec_r_out, int keep_r,
+    u64* __restrict__ prof) {
   __shared__ u32 sm[THREADS / 32];
   __shared__ u32 s_amax[FUSED_MAX_ROWS];
   __shared__ u32 s_ramax[FUSED_MAX_ROWS];
@@ -554,9 +595,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
   const long total = (long)M * nb;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   float v[16], b[16], xh[16];
+  prof_mark(prof, 0);
+#if RAC
+  u64* keys = dyn_smem;                    // [K] channel scores (selection: batch)
+  float* rbuf = (float*)(dyn_smem + K);    // [16][total] the residual (keep_r)
+  const bool want_scores = !static_mask;
   for (int i = threadIdx.x; i < FUSED_MAX_ROWS; i += THREADS) s_ramax[i] = 0u;
-  if (RAC && scores && !static_mask)
-    for (int i = threadIdx.x; i < K; i += THREADS) scores[i] = 0ull;
+  if (want_scores)
+    for (int i = threadIdx.x; i < K; i += THREADS) keys[i] = 0ull;
+#else
+  (void)keep_r;
+#endif
   // phase 1: amax
 #if PER_TOKEN
   for (int m = wid; m < M; m += THREADS / 32) {
@@ -599,11 +648,60 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
 #endif
 #endif
   __syncthreads();
-  // phase 2: B_X (and the residual statistics)
+  prof_mark(prof, 1);
+  // phase 2: B_X (and the residual statistics). Every lane of a warp runs every iteration (the
+  // segmented score sum shuffles across the warp); lanes past the end carry zeros.
 #if RAC
   const int shift = score_shift(amax_all, M);
-  const bool want_scores = scores && !static_mask;
+  for (long base = 0; base < total; base += THREADS) {
+    const long p = base + threadIdx.x;
+    const bool act = p < total;
+    const int c = act ? (int)(p / M) : -1, m = act ? (int)(p - (long)c * M) : 0;
+    if (act) {
+#if PER_TOKEN
+      const Glob g = globals(__uint_as_float(s_amax[m]));
+      if (c == 0) s_dec_out[m] = g.s_dec;
 #endif
+      load16(x + (size_t)m * sx + 16 * c, v);
+      quant_block(v, g, b, xh, lim);
+      store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
+    }
+    u32 rmx = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[i] = act ? __fsub_rn(v[i], xh[i]) : 0.0f;  // R
+      rmx = max(rmx, mag_bits(v[i]));
+      if (keep_r && act) rbuf[(long)i * total + p] = v[i];
+    }
+    if (act) atomicMax(&s_ramax[PER_TOKEN ? m : 0], rmx);
+    if (want_scores) {
+      if (M == 1) {
+        if (act)
+#pragma unroll
+          for (int i = 0; i < 16; ++i) keys[16 * c + i] = score_term(v[i], shift);
+      } else {
+        // lanes [lane, lane + o) hold rows of the same block: bit s of `same` for o = 2^s
+        const int span = M < 32 ? M : 32;
+        u32 same = 0;
+        for (int o = 1, sbit = 0; o < span; o <<= 1, ++sbit) {
+          const int co = __shfl_down_sync(0xFFFFFFFFu, c, o);
+          if (lane + o < 32 && co == c) same |= 1u << sbit;
+        }
+        const int cprev = __shfl_up_sync(0xFFFFFFFFu, c, 1);
+        const bool head = act && (lane == 0 || cprev != c);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          u64 a = act ? score_term(v[i], shift) : 0ull;
+          for (int o = 1, sbit = 0; o < span; o <<= 1, ++sbit) {
+            const u64 t = __shfl_down_sync(0xFFFFFFFFu, a, o);
+            if ((same >> sbit) & 1u) a += t;
+          }
+          if (head && a) smem_add_u64(keys + 16 * c + i, a);
+        }
+      }
+    }
+  }
+#else
   for (long p = threadIdx.x; p < total; p += THREADS) {
     const int c = (int)(p / M), m = (int)(p - (long)c * M);
 #if PER_TOKEN
@@ -611,50 +709,53 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     if (c == 0) s_dec_out[m] = g.s_dec;
 #endif
     load16(x + (size_t)m * sx + 16 * c, v);
-#if RAC
-    quant_block(v, g, b, xh, lim);
-    u32 rmx = 0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float r = __fsub_rn(v[i], xh[i]);
-      rmx = max(rmx, mag_bits(r));
-      if (want_scores) atomicAdd(scores + 16 * c + i, score_term(r, shift));
-    }
-    atomicMax(&s_ramax[PER_TOKEN ? m : 0], rmx);
-#else
     quant_block(v, g, b, 0, lim);
-#endif
     store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
   }
+#endif
 #if RAC
-  __threadfence();
   __syncthreads();
+  prof_mark(prof, 2);
   // phase 3: the channels
   if (static_mask) {
     for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) s_mask[i] = static_mask[i];
     __syncthreads();
   } else {
-    select_topk(scores, K, rac_k, s_mask);
+    select_topk(keys, K, rac_k, s_mask);
     __syncthreads();
   }
   for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask_out[i] = s_mask[i];
+  prof_mark(prof, 3);
   // phase 4: B_R = M_S ⊙ (e2m1_R · s_b,R)
 #if !PER_TOKEN
   const Glob gr = globals(__uint_as_float(s_ramax[0]));
   if (threadIdx.x == 0) s_dec_r_out[0] = gr.s_dec;
 #endif
-  float r[16];
   for (long p = threadIdx.x; p < total; p += THREADS) {
     const int c = (int)(p / M), m = (int)(p - (long)c * M);
 #if PER_TOKEN
-    const Glob gx = globals(__uint_as_float(s_amax[m]));
     const Glob gr = globals(__uint_as_float(s_ramax[m]));
     if (c == 0) s_dec_r_out[m] = gr.s_dec;
-#else
-    const Glob gx = globals(__uint_as_float(s_amax[0]));
 #endif
-    residual_block(x + (size_t)m * sx + 16 * c, gx, gr, s_mask[(16 * c) >> 5] >> ((16 * c) & 31), lim,
-                   br + (size_t)m * sbr + 16 * c);
+    const u32 mw = s_mask[(16 * c) >> 5] >> ((16 * c) & 31);
+    if (keep_r) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = rbuf[(long)i * total + p];
+      quant_block(v, gr, b, 0, lim);
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (!((mw >> i) & 1u)) b[i] = 0.0f;
+      store16_bf16(br + (size_t)m * sbr + 16 * c, b);
+    } else {
+#if PER_TOKEN
+      const Glob gx = globals(__uint_as_float(s_amax[m]));
+#else
+      const Glob gx = globals(__uint_as_float(s_amax[0]));
+#endif
+      residual_block(x + (size_t)m * sx + 16 * c, gx, gr, mw, lim, br + (size_t)m * sbr + 16 * c);
+    }
   }
 #endif
+  __syncthreads();
+  prof_mark(prof, RAC ? 4 : 2);
 }
