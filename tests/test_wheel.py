@@ -104,9 +104,10 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_wheel_contains_every_module_and_recipe(wheel):
-    expected = {f[len("src/"):] for f in _tracked_files() if f.startswith("src/qpass/") and f.endswith((".py", ".yaml"))
-                and (ROOT / f).exists()}
+    expected = {f[len("src/"):] for f in _tracked_files()
+                if f.startswith("src/qpass/") and f.endswith((".py", ".yaml", ".json", ".cu", ".cuh")) and (ROOT / f).exists()}
     assert "qpass/backends/triton/kernels/nvfp4_quant.py" in expected  # the file the old wheel lacked
+    assert "qpass/backends/cuda/kernels/nvfp4_act.cu" in expected  # NVRTC's sources (missing up to 5d123b5)
     assert any(f.startswith("qpass/recipes/") for f in expected)
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = sorted(expected - names)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,13 +77,41 @@ def variant_key(source: str, defines: dict[str, int], arch: str) -> str:
     return h.hexdigest()[:24]
 
 
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"\s*$', re.MULTILINE)
+
+
+def kernel_source(name: str) -> str:
+    """``kernels/<name>.cu`` with each ``#include "<file>.cuh"`` line replaced by that file of
+    ``kernels/`` (once per file; NVRTC is given no include path, so the variant key hashes what it
+    compiles).
+
+    Raises:
+        CudaKernelError: an included file that does not exist.
+    """
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def one(m: re.Match) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return f"// {inc}: already included"
+            seen.add(inc)
+            path = KERNEL_DIR / inc
+            if not path.exists():
+                raise CudaKernelError(f"kernels/{name}.cu includes {inc}, which is not in {KERNEL_DIR}")
+            return expand(path.read_text())
+        return _INCLUDE.sub(one, text)
+
+    return expand((KERNEL_DIR / f"{name}.cu").read_text())
+
+
 def compile_cubin(name: str, defines: dict[str, int], arch: str = "sm_90") -> bytes:
     """NVRTC-compile ``kernels/<name>.cu`` with ``-D`` macros for ``arch``; returns the cubin.
 
     Raises:
         CudaKernelError: cuda-bindings missing, or the compile failed (the NVRTC log is in the message).
     """
-    source = (KERNEL_DIR / f"{name}.cu").read_text()
+    source = kernel_source(name)
     key = variant_key(source, defines, arch)
     disk = _cache_dir() / f"{name}-{arch}-{key}.cubin"
     if disk.exists():
