@@ -92,6 +92,9 @@ def _cuobjdump() -> str | None:
 MMA_VARIANTS = [dict(NT=nt, NW=nw, XH=xh, OUT_KIND=ok, HAS_X2=x2, HAS_BIAS=b, ALPHA_KIND=a)
                 for nt, nw, xh, ok, x2, b, a in [(1, 8, 0, 0, 0, 0, 0), (2, 2, 0, 0, 1, 1, 1), (4, 2, 1, 1, 0, 1, 2),
                                                   (1, 16, 0, 2, 1, 0, 2), (4, 4, 0, 0, 1, 1, 1)]]
+# the one-launch W4A4 builds (QX: the kernel quantizes its own activations; X_KIND = the input dtype)
+MMA_VARIANTS += [dict(NT=nt, NW=nw, XH=0, OUT_KIND=ok, HAS_X2=0, HAS_BIAS=b, ALPHA_KIND=a, QX=1, X_KIND=xk)
+                 for nt, nw, ok, b, a, xk in [(1, 8, 0, 0, 1, 0), (1, 16, 1, 1, 2, 1), (2, 4, 0, 1, 1, 0)]]
 ACT_VARIANTS = [dict(X_KIND=xk, PER_TOKEN=pt, RAC=r, THREADS=th)
                 for xk, pt, r, th in [(0, 0, 0, 256), (0, 0, 1, 256), (1, 1, 1, 256), (2, 0, 1, 256), (0, 0, 0, 1024),
                                           (0, 0, 1, 1024), (0, 1, 1, 1024)]]
@@ -114,9 +117,12 @@ def test_kernels_compile_for_sm90_without_spills(name, defines, tmp_path, monkey
     # act.py launches the 1024-thread build only for act_fused and rac_select (the one-CTA kernels)
     launched = {"act_fused", "rac_select"} if defines.get("THREADS") == 1024 else None
     checked = 0
+    # QX builds: the block quantizer's float division has a slow-path subroutine (CALL.REL), and the
+    # calling convention saves up to two registers live across it on the stack; anything more is a spill
+    stack_ok = 16 if defines.get("QX") else 0
     for m in re.finditer(r"Function (\w+):\s+REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res):
         if launched is None or m.group(1) in launched:
-            assert int(m.group(3)) == 0 and int(m.group(5)) == 0, (m.group(1), res)
+            assert int(m.group(3)) <= stack_ok and int(m.group(5)) == 0, (m.group(1), res)
             checked += 1
     assert checked >= (2 if launched else 1), res
     if name == "nvfp4_mma":

@@ -150,6 +150,28 @@ def act_check(m: int, k: int, dtype, *, per_token: bool, rac: float | None, gen,
     return res
 
 
+def qx_check(m: int, n: int, k: int, dtype, *, per_token: bool, bias: bool, gen) -> dict:
+    """The one-launch W4A4 kernel (``act_quant``: the GEMM quantizes x itself) against act_operands +
+    the same GEMM on B_X: Y and the amax bits bit for bit (same operands, same accumulation order)."""
+    from qpass.backends.cuda import act as ca
+
+    dev = torch.device("cuda")
+    scale = torch.exp(torch.randn(k, device=dev, generator=gen))
+    x = (torch.randn(m, k, device=dev, generator=gen) * scale).to(dtype)
+    x[:, :16] *= 1e-6
+    q, _ = _random_weight(n, k, dev, gen)
+    codes, scales, s_dec = q.codes, q.scales, q.s_dec
+    b = (torch.randn(n, device=dev, generator=gen)).to(dtype) if bias else None
+    amax = torch.empty(m if per_token else 1, dtype=torch.int32, device=dev)
+    y1 = cl.nvfp4_mma_linear(x, codes, scales, s_dec, per_token=per_token, bias=b, act_quant=True, amax_out=amax)
+    o = ca.act_operands(x, per_token=per_token)
+    y2 = cl.nvfp4_mma_linear(o.bx, codes, scales, s_dec, s_dec_x=o.s_dec_x, per_token=per_token, bias=b, out_dtype=dtype)
+    res = {"qx": [m, n, k], "dtype": str(dtype), "per_token": per_token, "bias": bias,
+           "y_equal": bool(torch.equal(y1, y2)), "amax_equal": bool(torch.equal(amax, o.amax_bits.reshape(-1)[: amax.numel()]))}
+    res["ok"] = res["y_equal"] and res["amax_equal"]
+    return res
+
+
 def timings(shapes, ms, budget_s: float) -> list[dict]:
     from qpass.apps.bench import peers
     from qpass.apps.bench.triton_bench import time_fn
@@ -223,6 +245,9 @@ def timings(shapes, ms, budget_s: float) -> list[dict]:
             row["mma_w4a4"] = t(lambda i: (x.clone(), q.codes.clone(), q.scales.clone(), q.s_dec), w4a4, n * k // 2)
             row["mma_w4a4_rac50"] = t(lambda i: (x.clone(), q.codes.clone(), q.scales.clone(), q.s_dec),
                                       lambda a, c, s_, d: w4a4(a, c, s_, d, k // 2), n * k // 2)
+            if cl.quantizes_in_kernel(m, k):
+                row["mma_w4a4_qx"] = t(lambda i: (x.clone(), q.codes.clone(), q.scales.clone(), q.s_dec),
+                                       lambda a, c, s_, d: cl.nvfp4_mma_linear(a, c, s_, d, act_quant=True), n * k // 2)
             row["act_quant_only"] = t(lambda i: (x.clone(),), lambda a: ca.act_operands(a), m * k * 2)
             row["act_quant_rac50_only"] = t(lambda i: (x.clone(),), lambda a: ca.act_operands(a, rac_k=k // 2), m * k * 2)
             try:
@@ -533,6 +558,10 @@ def main(argv=None) -> int:
     for fused in (False, True):
         acts.append(act_check(4, 1024, torch.bfloat16, per_token=False, rac=0.5, gen=gen, fused=fused, ties=True))
         acts.append(act_check(1, 576, torch.bfloat16, per_token=True, rac=0.3, gen=gen, fused=fused, ties=True))
+    for (m, n, k) in [(1, 4096, 4096), (1, 4096, 14336), (3, 576, 576), (8, 1536, 576), (16, 576, 1536), (2, 100, 4128)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            for per_token in (False, True):
+                acts.append(qx_check(m, n, k, dtype, per_token=per_token, bias=m == 3, gen=gen))
     rep["act_checks"] = acts
     for c in acts:
         print(json.dumps(c), flush=True)

@@ -91,7 +91,8 @@ def nvfp4_mma_linear(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s_dec_w: torch.Tensor, *,
     s_dec_x: torch.Tensor | None = None, per_token: bool = False, x2: torch.Tensor | None = None,
     s_dec_x2: torch.Tensor | None = None, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    config: MMAConfig | None = None, site: str | None = None,
+    config: MMAConfig | None = None, site: str | None = None, act_quant: bool = False,
+    amax_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Y [M, N]`` of the module docstring on the tensor-core kernel.
 
@@ -104,22 +105,45 @@ def nvfp4_mma_linear(
         bias: ``[N]`` in the output dtype (float32 for float32 output).
         out_dtype: bf16 / fp16 / fp32 (default ``x.dtype``).
         config: force a kernel configuration (benchmarks); default :func:`choose_config`.
+        act_quant: x is the raw activation; the kernel quantizes it (W4A4, :func:`nvfp4_mma_multi`).
+        amax_out: with ``act_quant``, int32 ``[1]`` / ``[M]`` that receives the activation amax bits.
     Raises:
         QuantizationError: shapes/dtypes the kernel does not take (names ``site``).
     """
     return nvfp4_mma_multi(x, [WeightParts(codes, scales, s_dec_w, bias)], s_dec_x=s_dec_x, per_token=per_token,
-                           x2=x2, s_dec_x2=s_dec_x2, out_dtype=out_dtype, config=config, site=site)
+                           x2=x2, s_dec_x2=s_dec_x2, out_dtype=out_dtype, config=config, site=site,
+                           act_quant=act_quant, amax_out=amax_out)
+
+
+QX_SMEM_MAX = 64 * 1024  # B_X rows a quantizing launch keeps per CTA (M * K * 2 bytes)
+
+
+def quantizes_in_kernel(m: int, k: int) -> bool:
+    """Whether a W4A4 call of ``m`` rows (no RAC) takes the one-launch kernel that quantizes its own
+    activations (``act_quant``): its B_X rows fit ``QX_SMEM_MAX`` bytes of shared memory per CTA."""
+    return m * k * 2 <= QX_SMEM_MAX
 
 
 def nvfp4_mma_multi(
     x: torch.Tensor, weights: Sequence[WeightParts], *, s_dec_x: torch.Tensor | None = None, per_token: bool = False,
     x2: torch.Tensor | None = None, s_dec_x2: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    config: MMAConfig | None = None, site: str | None = None,
+    config: MMAConfig | None = None, site: str | None = None, act_quant: bool = False,
+    amax_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Several weights times the same activations in one launch: ``Y [M, sum N_i]``, weight ``i``'s
     output in columns ``[sum_{j<i} N_j, ...)`` (sibling linears such as q/k/v; each weight keeps its
-    own S_dec_W and bias). Arguments as :func:`nvfp4_mma_linear`.
+    own S_dec_W and bias). Arguments as :func:`nvfp4_mma_linear`; with ``act_quant`` x is the raw
+    activation (bf16/fp16) and the kernel quantizes it itself (SPEC §3 rule 5, dynamic per-tensor or,
+    with ``per_token``, per-row scale; the bits of :func:`qpass.backends.cuda.act.act_operands`), so
+    W4A4 without RAC is one launch; ``amax_out`` (int32 ``[1]`` or ``[M]``) receives the amax bits.
+
+    Raises:
+        QuantizationError: shapes/dtypes the kernel does not take, ``act_quant`` with ``x2`` or
+            ``s_dec_x``, or B_X rows over ``QX_SMEM_MAX`` (names ``site``).
     """
+    if act_quant and (x2 is not None or s_dec_x is not None or not quantizes_in_kernel(*x.shape)):
+        raise QuantizationError(f"act_quant takes x [M, K] with M*K*2 <= {QX_SMEM_MAX} and no x2 / s_dec_x "
+                                f"(got {tuple(x.shape)}) at site {site}")
     if not weights or len(weights) > MAX_SEGS:
         raise QuantizationError(f"nvfp4_mma_multi takes 1..{MAX_SEGS} weights, got {len(weights)} at site {site}")
     if not supported(x, weights[0].codes, x2) or not all(w.codes.is_contiguous() and w.codes.data_ptr() % 16 == 0
@@ -147,15 +171,18 @@ def nvfp4_mma_multi(
         col0 += n
     segs.count = len(weights)
     cfg = config or choose_config(m * (2 if x2 is not None else 1), col0, k)
-    alpha_kind = 0 if s_dec_x is None else (2 if per_token else 1)
+    alpha_kind = 0 if s_dec_x is None and not act_quant else (2 if per_token else 1)
     defines = dict(NT=cfg.nt, NW=cfg.nw, XH=int(x.dtype == torch.float16), OUT_KIND=_OUT_KIND[out_dtype],
                    HAS_X2=int(x2 is not None), HAS_BIAS=int(has_bias), ALPHA_KIND=alpha_kind)
+    if act_quant:  # the operand is bf16 B_X whatever the input dtype (as act_operands hands it)
+        defines.update(QX=1, X_KIND=int(x.dtype == torch.float16), XH=0)
     kern = runtime.get_kernel("nvfp4_mma", "nvfp4_mma_gemm", defines, x.device.index or 0)
     out = torch.empty(m, col0, dtype=out_dtype, device=x.device)
     f32 = torch.float32
     sdx = None if s_dec_x is None else s_dec_x.to(f32).contiguous()
     sdx2 = None if s_dec_x2 is None else s_dec_x2.to(f32).contiguous()
-    args = [x, x2, segs, sdx, sdx2, out, m, k, x.stride(0), 0 if x2 is None else x2.stride(0), out.stride(0)]
-    runtime.launch(kern, (g0, 1, 1), (cfg.nw * 32, 1, 1), args, "ppsppp" + "iiiii")
+    args = [x, x2, segs, sdx, sdx2, out, m, k, x.stride(0), 0 if x2 is None else x2.stride(0), out.stride(0), amax_out]
+    runtime.launch(kern, (g0, 1, 1), (cfg.nw * 32, 1, 1), args, "ppsppp" + "iiiii" + "p",
+                   shared_bytes=m * k * 2 if act_quant else 0)
     del keep
     return out

@@ -9,7 +9,9 @@ kernel computes it):
 * W4A4 (per-tensor or per-token dynamic scale), optional RAC in ``masked`` mode with ``batch`` or
   ``static`` selection: the activation kernels (:mod:`.act`) give ``B_X`` (and ``B_R``), then the
   same two GEMM routes with ``alpha = S_dec_X · S_dec_W`` (and the second accumulation's
-  ``S_dec_R · S_dec_W``).
+  ``S_dec_R · S_dec_W``). Without RAC, at decode sizes (``M <= 32`` and ``M·K·2`` bytes of B_X per
+  CTA, :func:`.linear.quantizes_in_kernel`), one launch of the tensor-core kernel quantizes x itself
+  (``ROUTES["act_quant_in_gemm"]``; the same B_X and S_dec_X bits as :mod:`.act`).
 
 Not routed (Triton runs them): fp32 activations, ``gathered`` RAC, ``token`` selection, K not a
 multiple of 32, misaligned inputs, a static (calibrated) activation scale (which the Triton kernel
@@ -22,12 +24,16 @@ import weakref
 
 import torch
 
+from qpass.errors import QuantizationError
 from qpass.backends.cuda import act as ca
 from qpass.backends.cuda import linear as cl
 from qpass.backends.cuda import prefill as cp
 from qpass.backends.cuda import runtime
 
 _MASKS: dict[int, tuple] = {}
+# Which routes may serve a call (benchmarks switch one off to time the alternative in the same run; an
+# engine captures the route at CUDA-graph capture time, so switch before building one).
+ROUTES = {"act_quant_in_gemm": True}
 # The last activation quantized, for sibling linears of one input (q/k/v, gate/up): the graph hands them
 # the very same tensor object, so the operands are computed once (a common-subexpression elimination at
 # run time; the key holds the object's identity, in-place version, layout and the quantizer options).
@@ -96,6 +102,16 @@ def nvfp4_linear(call) -> torch.Tensor | None:
 
     if call.w4a16:
         a, s_dec_x, br, s_dec_r = x2, None, None, None
+    elif call.rac is None and ROUTES["act_quant_in_gemm"] and m <= cl.MAX_TOKEN_SLOTS and cl.quantizes_in_kernel(m, k) \
+            and cl.supported(x2, w.codes):
+        # W4A4 without RAC at decode sizes: one launch that quantizes x itself (same B_X and S_dec_X bits)
+        check = sync_checks_enabled(x2.device)
+        amax = torch.empty(m if call.per_token else 1, dtype=torch.int32, device=x2.device) if check else None
+        y = cl.nvfp4_mma_linear(x2, w.codes, w.scales, w.s_dec, per_token=call.per_token, bias=call.bias,
+                                out_dtype=call.out_dtype, site=call.site, act_quant=True, amax_out=amax)
+        if check and bool((amax >= 0x7F800000).any()):
+            raise QuantizationError(f"activation at site {call.site} has NaN or inf values (nvfp4_quantize)")
+        return y.reshape(*call.x.shape[:-1], y.shape[-1])
     else:
         mask = _static_mask(call.rac_channels, k) if call.rac is not None and call.rac.selection == "static" else None
         ops = _act_operands_once(x2, call, mask, sync_checks_enabled(x2.device))

@@ -28,11 +28,22 @@
 //
 // Compile-time parameters (NVRTC -D): NT (n8 token tiles, 1..4), NW (warps per CTA), XH (1: fp16
 // activations and fp16 operands, 0: bf16), OUT_KIND (0 bf16, 1 fp16, 2 fp32), HAS_X2, HAS_BIAS,
-// ALPHA_KIND (0: alpha = s_dec_w; 1: alpha = fl(s_dec_x[0] * s_dec_w); 2: per token fl(s_dec_x[m] * s_dec_w)).
+// ALPHA_KIND (0: alpha = s_dec_w; 1: alpha = fl(s_dec_x[0] * s_dec_w); 2: per token fl(s_dec_x[m] * s_dec_w)),
+// QX (1: x is the raw activation [M, K] in X_KIND's dtype; every CTA first quantizes all of it with the
+// activation kernels' arithmetic (nvfp4_quant.cuh) into B_X rows in dynamic shared memory (M*K*2 bytes)
+// and S_dec_X (per tensor, or per token with ALPHA_KIND 2): W4A4 in one launch, no B_X in memory).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#ifndef QX
+#define QX 0
+#endif
+#if QX
+// QX: the kernel quantizes its own activations (W4A4 without RAC): X_KIND is the raw input's dtype
+// (0 bf16, 1 fp16); the operand it multiplies is B_X in bf16 (XH = 0)
+#ifndef X_KIND
+#define X_KIND 0
+#endif
+#endif
+#include "nvfp4_quant.cuh"
 
 #ifndef NT
 #define NT 1
@@ -56,8 +67,6 @@ typedef unsigned char u8;
 #define ALPHA_KIND 0
 #endif
 
-#define DEV static __device__ __forceinline__
-
 DEV void ld_w16(const u8* p, u32& a, u32& b, u32& c, u32& d) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
@@ -66,7 +75,15 @@ DEV void ld_w8(const u8* p, u32& a, u32& b) {
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
 }
 DEV void ld_x16(const u16* p, u32& a, u32& b, u32& c, u32& d) {
+#if QX  // B_X rows in shared memory
+  const uint4 v = *(const uint4*)p;
+  a = v.x;
+  b = v.y;
+  c = v.z;
+  d = v.w;
+#else
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+#endif
 }
 DEV u32 ld_u16(const u8* p) {
   u16 v;
@@ -147,16 +164,22 @@ struct Chunk {
 
 // Row and token pointers always point at valid memory (rows >= N and tokens >= M are clamped to a
 // real row; their outputs are computed and never stored), so a full chunk loads without branches.
-DEV void load_full(Chunk& c, const u8* const* wr, const u8* const* sr, const u16* const* xr, int kb) {
+DEV void load_w(Chunk& c, const u8* const* wr, const u8* const* sr, int kb) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     ld_w16(wr[r] + kb / 2, c.w[r][0], c.w[r][1], c.w[r][2], c.w[r][3]);
     c.s[r] = ld_u16(sr[r] + kb / 16);
   }
+}
+DEV void load_x(Chunk& c, const u16* const* xr, int kb) {
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int w = 0; w < 4; ++w) ld_x16(xr[j] + kb + 8 * w, c.x[j][w][0], c.x[j][w][1], c.x[j][w][2], c.x[j][w][3]);
+}
+DEV void load_full(Chunk& c, const u8* const* wr, const u8* const* sr, const u16* const* xr, int kb) {
+  load_w(c, wr, sr, kb);
+  load_x(c, xr, kb);
 }
 
 // The K tail: nb = number of valid 16-element blocks of the lane's 32 (0, 1 or 2); the rest is zero
@@ -243,6 +266,8 @@ DEV void finish_store(float acc, float acc2, int m, int n, const float* __restri
                       void* __restrict__ out, size_t idx) {
 #if ALPHA_KIND == 0
   const float alpha = sw;
+#elif QX  // S_dec_X computed by this CTA, in shared memory
+  const float alpha = __fmul_rn(s_dec_x[ALPHA_KIND == 2 ? m : 0], sw);
 #elif ALPHA_KIND == 1
   const float alpha = __fmul_rn(__ldg(s_dec_x), sw);
 #else
@@ -293,10 +318,78 @@ struct Segs {
   int count;
 };
 
+#if QX
+extern __shared__ u16 qx_rows[];  // [M][K] B_X (bf16 bits) of this call, built by every CTA
+
+// The activation quantization of act_fused (phase 1 and 2 without RAC), by the NW warps of this CTA:
+// amax (per tensor, or per row with ALPHA_KIND 2), S_dec_X into s_sdx, B_X into qx_rows; CTA 0 also
+// writes the amax bits (the host's NaN/inf check). Every CTA computes the same bits from the same x.
+DEV void quantize_rows(const xt* __restrict__ xin, int M, int K, int sx, float* s_sdx, u32* s_rowmax,
+                       u32* __restrict__ amax_out) {
+  const int T = NW * 32, nb = K >> 4;
+  const long total = (long)M * nb;
+  float v[16], b[16];
+  for (int i = threadIdx.x; i < 32; i += T) s_rowmax[i] = 0u;
+  __syncthreads();
+  u32 mx = 0;
+  for (long p = threadIdx.x; p < total; p += T) {
+    const int m = (int)(p / nb), c = (int)(p - (long)m * nb);
+    load16(xin + (size_t)m * sx + 16 * c, v);
+    u32 bm = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) bm = max(bm, mag_bits(v[i]));
+#if ALPHA_KIND == 2
+    atomicMax(&s_rowmax[m], bm);
+#else
+    mx = max(mx, bm);
+#endif
+  }
+#if ALPHA_KIND != 2
+  for (int o = 16; o; o >>= 1) mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+  if ((threadIdx.x & 31) == 0) atomicMax(&s_rowmax[0], mx);
+#endif
+  __syncthreads();
+#if ALPHA_KIND == 2
+  for (int m = threadIdx.x; m < M; m += T) {
+    s_sdx[m] = globals(__uint_as_float(s_rowmax[m])).s_dec;
+    if (blockIdx.x == 0 && amax_out) amax_out[m] = s_rowmax[m];
+  }
+#else
+  const Glob g = globals(__uint_as_float(s_rowmax[0]));
+  if (threadIdx.x == 0) {
+    s_sdx[0] = g.s_dec;
+    if (blockIdx.x == 0 && amax_out) amax_out[0] = s_rowmax[0];
+  }
+#endif
+  for (long p = threadIdx.x; p < total; p += T) {
+    const int m = (int)(p / nb), c = (int)(p - (long)m * nb);
+#if ALPHA_KIND == 2
+    const Glob g = globals(__uint_as_float(s_rowmax[m]));
+#endif
+    load16(xin + (size_t)m * sx + 16 * c, v);
+    quant_block(v, g, b, 0, 0.0f);
+    store16_bf16(qx_rows + (size_t)m * K + 16 * c, b);
+  }
+  __syncthreads();
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NW * 32) nvfp4_mma_gemm(
     const u16* __restrict__ x, const u16* __restrict__ x2, const Segs segs, const float* __restrict__ s_dec_x,
-    const float* __restrict__ s_dec_x2, void* __restrict__ out, int M, int K, int sx, int sx2, int so) {
+    const float* __restrict__ s_dec_x2, void* __restrict__ out, int M, int K, int sx, int sx2, int so,
+    u32* __restrict__ amax_out) {
   __shared__ float red[NW][16][8 * NT + 1];
+#if QX
+  static_assert(!HAS_X2 && ALPHA_KIND != 0, "QX: W4A4 without a compensation operand");
+  __shared__ float s_sdx[32];
+  __shared__ u32 s_rowmax[32];
+  const xt* __restrict__ xin = (const xt*)x;
+  const int sx_in = sx;
+  s_dec_x = s_sdx;
+  sx = K;  // the B_X rows in shared memory
+#else
+  (void)amax_out;
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   int si = 0;
@@ -318,8 +411,13 @@ extern "C" __global__ void __launch_bounds__(NW * 32) nvfp4_mma_gemm(
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int tok = 8 * j + g;
-    xr[j] = x;  // a token slot past the call's tokens reads token 0 (its column is never stored)
-    if (tok < M) xr[j] = x + (size_t)tok * sx;
+#if QX
+    const u16* xb = qx_rows;
+#else
+    const u16* xb = x;
+#endif
+    xr[j] = xb;  // a token slot past the call's tokens reads token 0 (its column is never stored)
+    if (tok < M) xr[j] = xb + (size_t)tok * sx;
 #if HAS_X2
     else if (tok < 2 * M) xr[j] = x2 + (size_t)(tok - M) * sx2;
 #endif
@@ -335,7 +433,13 @@ extern "C" __global__ void __launch_bounds__(NW * 32) nvfp4_mma_gemm(
   const int lk = 32 * t;
   Chunk ca, cb;
   int c = c0;
+#if QX
+  if (c < c1) load_w(ca, wr, sr, c * 128 + lk);  // the first weights are in flight while x is quantized
+  quantize_rows(xin, M, K, sx_in, s_sdx, s_rowmax, amax_out);
+  if (c < c1) load_x(ca, xr, c * 128 + lk);
+#else
   if (c < c1) load_full(ca, wr, sr, xr, c * 128 + lk);
+#endif
   for (; c + 1 < c1; c += 2) {
     load_full(cb, wr, sr, xr, (c + 1) * 128 + lk);
     compute_chunk(ca, acc);
