@@ -212,7 +212,7 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, in
         args: kernel arguments in order; tensors and ``None`` for pointers (``p``), ints (``i``),
             floats (``f``), ``ctypes.Structure`` values passed by value (``s``), as ``sig`` spells
             them (one letter per argument).
-        shared_bytes: dynamic shared memory of the launch (above 48 KiB the kernel is opted in first).
+        shared_bytes: dynamic shared memory of the launch (the kernel is opted in to that size first).
     """
     import torch
 
@@ -228,7 +228,7 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, in
         else:
             holders.append(_ARG_TYPES[s](a))
     ptrs = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
-    if shared_bytes > 48 * 1024:  # above the default limit a kernel must opt in (once per function)
+    if shared_bytes:  # static + dynamic above 48 KiB needs the opt-in: set it for any dynamic size (once per size)
         _allow_shared(driver, kernel, shared_bytes)
     stream = driver.CUstream(torch.cuda.current_stream(kernel.device).cuda_stream)
     _check(driver.cuLaunchKernel(kernel.function, *grid, *block, shared_bytes, stream, ctypes.addressof(ptrs), 0),
