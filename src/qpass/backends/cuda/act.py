@@ -28,6 +28,7 @@ FUSED_MAX_K = 16384
 # dynamic shared memory a one-CTA RAC launch may take (H100/H200 allow 227 KiB per block; the static
 # arrays of act_fused take ~5 KiB): the K scores always fit (8 * FUSED_MAX_K = 128 KiB)
 SMEM_BUDGET = 200 * 1024
+MAX_RAC_K = 65535  # the select's candidate list holds channel indices as u16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +63,14 @@ def channel_mask(channels: torch.Tensor, k_dim: int) -> torch.Tensor:
 
 def fused_smem_bytes(m: int, k: int, *, rac: bool) -> tuple[int, bool]:
     """Dynamic shared memory of one ``act_fused`` launch and whether it keeps the residual there:
-    the K channel scores (8 bytes each; reserved also with static channels) ahead of R (4 bytes per
-    element) when both fit in ``SMEM_BUDGET`` bytes."""
+    the K channel scores (8 bytes each; reserved also with static channels), R (4 bytes per element)
+    when everything fits in ``SMEM_BUDGET`` bytes, then the select's candidate list (2 bytes per
+    channel)."""
     if not rac:
         return 0, False
-    keys = 8 * k
-    with_r = keys + 4 * m * k
-    return (with_r, True) if with_r <= SMEM_BUDGET else (keys, False)
+    base = 8 * k + 2 * k
+    with_r = base + 4 * m * k
+    return (with_r, True) if with_r <= SMEM_BUDGET else (base, False)
 
 
 def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site, profile=None) -> ActOperands:
@@ -115,8 +117,9 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     Raises:
         QuantizationError: a shape the kernels do not take, or (``check``) a non-finite input.
     """
-    if not supported(x):
-        raise QuantizationError(f"act_operands cannot take x {tuple(x.shape)} {x.dtype} at site {site}")
+    if not supported(x) or (rac_k and x.shape[1] > MAX_RAC_K):
+        raise QuantizationError(f"act_operands cannot take x {tuple(x.shape)} {x.dtype} at site {site}"
+                                + (f" (RAC needs K <= {MAX_RAC_K})" if rac_k and x.shape[1] > MAX_RAC_K else ""))
     from qpass.quant.nvfp4 import act_operand_limit
 
     m, k = x.shape
@@ -154,9 +157,9 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     if static_mask is None:
         mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev)
         ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS), di)
-        smem_keys = 8 * k <= SMEM_BUDGET  # the select passes read shared memory, not L2
+        smem_keys = 10 * k <= SMEM_BUDGET  # keys + candidate list: the select passes read shared memory, not L2
         runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask, int(smem_keys)], "piipi",
-                       shared_bytes=8 * k if smem_keys else 0)
+                       shared_bytes=10 * k if smem_keys else 2 * k)
     else:
         mask = static_mask
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev)

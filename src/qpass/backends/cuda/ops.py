@@ -79,7 +79,7 @@ def routable(call) -> bool:
     k = call.in_features
     if k % 32 or x.stride(-1) != 1:
         return False
-    if call.rac is not None and (call.rac.mode != "masked" or call.rac.selection == "token"):
+    if call.rac is not None and (call.rac.mode != "masked" or call.rac.selection == "token" or k > ca.MAX_RAC_K):
         return False
     if call.static_act:  # a calibrated activation scale: the activation kernels compute the input's amax
         return False

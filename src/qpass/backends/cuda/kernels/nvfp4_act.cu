@@ -270,22 +270,47 @@ DEV void or_and_add(u64 o, u64 a, u32* s_oa) {
   }
 }
 
-DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
+// Order-preserving compaction of one chunk of THREADS entries: returns this thread's slot among the
+// kept entries of the chunk (valid where keep), and adds the chunk's count to *total (every thread
+// reads the new total). Two __syncthreads; s_cnt holds THREADS / 32 ints.
+DEV int compact_slot(bool keep, int* s_cnt, int* total) {
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const u32 bal = __ballot_sync(0xFFFFFFFFu, keep);
+  if (lane == 0) s_cnt[wid] = __popc(bal);
+  __syncthreads();
+  int before = *total;
+  for (int w = 0; w < wid; ++w) before += s_cnt[w];
+  int all = 0;
+  for (int w = 0; w < THREADS / 32; ++w) all += s_cnt[w];
+  const int slot = before + __popc(bal & ((1u << lane) - 1u));
+  __syncthreads();  // every thread has read s_cnt and *total
+  if (threadIdx.x == 0) *total += all;
+  return slot;
+}
+
+// Select passes after stage 1 run over a candidate list `cand` (u16 channel indices, index order, in
+// shared memory) instead of all K keys: each pass keeps the entries whose key matches the prefix
+// decided so far (compacted in place, order preserved) and histograms their next window. Stage 1
+// and the final mask pass read all K keys; the mask words come from warp ballots (32 channels per
+// word, no atomics) except the tie entries of an unfinished bin, which go by their rank in `cand`.
+DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask, u16* cand) {
   static_assert(THREADS >= 256 && THREADS % 32 == 0, "select_topk scans 256 bins with 8 warps");
   __shared__ u32 hist[256];
   __shared__ u32 s_wsum[8];
   __shared__ u32 s_oa[4];
   __shared__ int s_pick[3];
   __shared__ int s_cnt[THREADS / 32];
+  __shared__ int s_nc[2];  // candidates listed, then kept by the current pass
   k = min(k, K);
-  for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask[i] = 0u;
   for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
   if (threadIdx.x < 4) s_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
+  if (threadIdx.x < 2) s_nc[threadIdx.x] = 0;
   __syncthreads();
   u64 pf = 0, pm = 0;  // decided bits (mask) and their values: the candidates are (key & pm) == pf
   int need = k, all = 0;
+  bool listed = false;  // cand[0, s_nc[0]) holds every candidate (else: all K channels)
   if (k > 0) {
-    // stage 1: bit length
+    // stage 1: bit length, over all K
     u64 o = 0, a = ~0ull;
     for (int base = 0; base < K; base += THREADS) {
       const int j = base + threadIdx.x;
@@ -317,25 +342,34 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
       const int wlo = hi >= 7 ? hi - 7 : 0;
       const int width = hi - wlo + 1;
       const u64 wmask = ((1ull << width) - 1ull);
-      __syncthreads();  // every thread has read s_oa and hist of the last pass
+      __syncthreads();  // every thread has read s_oa, hist and s_nc of the last pass
       for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
       if (threadIdx.x < 4) s_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
       __syncthreads();
       o = 0;
       a = ~0ull;
-      for (int base = 0; base < K; base += THREADS) {
-        const int j = base + threadIdx.x;
-        const u64 key = j < K ? scores[j] : 0ull;
-        const bool cand = j < K && (key & pm) == pf;
-        hist_add(hist, (u32)((key >> wlo) & wmask), cand);
-        if (cand) {
+      const int n_in = listed ? s_nc[0] : K;
+      for (int base = 0; base < n_in; base += THREADS) {
+        const int i = base + threadIdx.x;
+        const int j = i < n_in ? (listed ? (int)cand[i] : i) : 0;
+        const u64 key = i < n_in ? scores[j] : 0ull;
+        const bool c = i < n_in && (key & pm) == pf;
+        hist_add(hist, (u32)((key >> wlo) & wmask), c);
+        if (c) {
           o |= key;
           a &= key;
         }
+        const int slot = compact_slot(c, s_cnt, &s_nc[1]);
+        if (c) cand[slot] = (u16)j;
       }
       or_and_add(o, a, s_oa);
       __syncthreads();
-      p = pick_bin(hist, need, s_wsum, s_pick);
+      if (threadIdx.x == 0) {
+        s_nc[0] = s_nc[1];
+        s_nc[1] = 0;
+      }
+      listed = true;
+      p = pick_bin(hist, need, s_wsum, s_pick);  // (its barriers also publish s_nc)
       need = p.need;
       all = p.all;
       pf |= (u64)p.bin << wlo;
@@ -345,32 +379,31 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
     }
   }
   __syncthreads();
-  // contiguous index ranges per thread: ties resolved in index order by a block scan of tie counts
-  const int per = (K + THREADS - 1) / THREADS;
-  const int j0 = threadIdx.x * per, j1 = min(K, j0 + per);
-  int ties = 0;
-  if (k > 0)
-    for (int j = j0; j < j1; ++j) ties += ((scores[j] & pm) == pf);
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  int inc = ties;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, inc, o);
-    if (lane >= o) inc += v;
-  }
-  if (lane == 31) s_cnt[wid] = inc;
-  __syncthreads();
-  int before = inc - ties;
-  for (int i = 0; i < wid; ++i) before += s_cnt[i];
-  if (k > 0)
-    for (int j = j0; j < j1; ++j) {
-      const u64 key = scores[j], km = key & pm;
-      bool sel = km > pf;
-      if (km == pf) {
-        sel = all || before < need;
-        ++before;
-      }
-      if (sel) atomicOr(mask + (j >> 5), 1u << (j & 31));
+  // every key above the decided prefix, and with `all` the keys equal to it: one ballot per 32 channels
+  for (int base = 0; base < K; base += THREADS) {
+    const int j = base + threadIdx.x;
+    bool sel = false;
+    if (k > 0 && j < K) {
+      const u64 km = scores[j] & pm;
+      sel = km > pf || (all && km == pf);
     }
+    const u32 w = __ballot_sync(0xFFFFFFFFu, sel);
+    if ((threadIdx.x & 31) == 0 && j < K) mask[j >> 5] = w;
+  }
+  __syncthreads();
+  if (k > 0 && !all) {
+    // ties: the first `need` keys equal to the prefix in index order (their rank in the candidate list)
+    const int n_in = listed ? s_nc[0] : K;
+    if (threadIdx.x == 0) s_nc[1] = 0;
+    __syncthreads();
+    for (int base = 0; base < n_in; base += THREADS) {
+      const int i = base + threadIdx.x;
+      const int j = i < n_in ? (listed ? (int)cand[i] : i) : 0;
+      const bool t = i < n_in && (scores[j] & pm) == pf;
+      const int rank = compact_slot(t, s_cnt, &s_nc[1]);
+      if (t && rank < need) atomicOr(mask + (j >> 5), 1u << (j & 31));
+    }
+  }
   __syncthreads();
 }
 
@@ -378,15 +411,18 @@ extern __shared__ u64 dyn_smem[];
 
 extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __restrict__ scores, int K, int k,
                                                                 u32* __restrict__ mask, int smem_keys) {
-  // smem_keys: the host gave K * 8 bytes of dynamic shared memory; every select pass then reads its
-  // keys from shared memory instead of L2 (each pass re-reads all K keys)
+  // smem_keys: the host gave K * 8 + K * 2 bytes of dynamic shared memory (the keys, then the candidate
+  // list); else K * 2 (the list)
+  // smem_keys == 0: the keys stay in global memory and the candidate list takes the dynamic shared memory
   const u64* keys = scores;
+  u16* cand = (u16*)dyn_smem;
   if (smem_keys) {
     for (int j = threadIdx.x; j < K; j += THREADS) dyn_smem[j] = __ldcg(scores + j);
     __syncthreads();
     keys = dyn_smem;
+    cand = (u16*)(dyn_smem + K);
   }
-  select_topk(keys, K, k, mask);
+  select_topk(keys, K, k, mask, cand);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
@@ -595,7 +631,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) s_mask[i] = static_mask[i];
     __syncthreads();
   } else {
-    select_topk(keys, K, rac_k, s_mask);
+    select_topk(keys, K, rac_k, s_mask, (u16*)(rbuf + (keep_r ? total * 16 : 0)));
     __syncthreads();
   }
   for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask_out[i] = s_mask[i];
