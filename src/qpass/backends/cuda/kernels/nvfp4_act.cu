@@ -456,13 +456,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
 // the same arithmetic as act_amax + act_quant (+ rac_select + rac_residual).
 //
 // With RAC the CTA's dynamic shared memory holds the K channel scores (u64, 8K bytes) and, when the
-// host gave room for it (keep_r), the residual R itself (float, 4MK bytes, element-major
-// [16][M*K/16] so that a warp's accesses are conflict-free): the scores never go through L2 atomics,
-// every select pass reads shared memory, and the last phase quantizes R from shared memory instead of
-// reading and quantizing X again. Scores are sums of integers, so their bits do not depend on the
-// order of the additions: one row per thread when M == 1 (a plain store), otherwise a segmented sum
-// over the lanes of a warp that hold rows of the same 16-channel block, then one 64-bit add per
-// segment as two 32-bit shared atomics with the carry (smem_add_u64).
+// host gave room for it (keep_r), the residual R itself (float, 4MK bytes, one 64-byte row per
+// 16-element block): the scores never go through L2 atomics, every select pass reads shared memory,
+// and the last phase quantizes R from shared memory instead of reading and quantizing X again.
+// Scores are sums of integers, so their bits do not depend on the order of the additions: with
+// M == 1 each block's thread stores its 16 terms; with R in shared memory one thread per channel sums
+// its M terms; otherwise a segmented sum over the lanes of a warp that hold rows of the same block,
+// then one 64-bit add per segment as two 32-bit shared atomics with the carry (smem_add_u64).
 //
 // prof (optional, u64[2 * 6]): thread 0 records clock64() and %globaltimer after each phase
 // (start, amax, B_X + scores, select, B_R, end) for the phase profile of the benchmarks.
@@ -502,13 +502,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
   __shared__ u32 s_ramax[FUSED_MAX_ROWS];
   __shared__ u32 s_mask[FUSED_MAX_K / 32];
   const int nb = K >> 4;
-  const long total = (long)M * nb;
+  const int total = M * nb;  // <= FUSED_MAX_ROWS * FUSED_MAX_K / 16
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   float v[16], b[16], xh[16];
   prof_mark(prof, 0);
 #if RAC
   u64* keys = dyn_smem;                    // [K] channel scores (selection: batch)
-  float* rbuf = (float*)(dyn_smem + K);    // [16][total] the residual (keep_r)
+  float* rbuf = (float*)(dyn_smem + K);    // [total][16] the residual (keep_r), block p = c * M + m
   const bool want_scores = !static_mask;
   for (int i = threadIdx.x; i < FUSED_MAX_ROWS; i += THREADS) s_ramax[i] = 0u;
   if (want_scores)
@@ -533,14 +533,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
   }
   __syncthreads();
 #if RAC
+  // per-row globals once (not per block: fewer registers live across the division's slow-path call)
+  __shared__ Glob s_gx[FUSED_MAX_ROWS], s_gr[FUSED_MAX_ROWS];
+  for (int m = threadIdx.x; m < M; m += THREADS) {
+    s_gx[m] = globals(__uint_as_float(s_amax[m]));
+    s_dec_out[m] = s_gx[m].s_dec;
+  }
   u32 all = 0;
   for (int m = threadIdx.x; m < M; m += THREADS) all = max(all, s_amax[m]);
   const float amax_all = __uint_as_float(block_max_u32(all, sm));
 #endif
 #else
   u32 mx = 0;
-  for (long p = threadIdx.x; p < total; p += THREADS) {
-    const int m = (int)(p / nb), c = (int)(p - (long)m * nb);
+  for (int p = threadIdx.x; p < total; p += THREADS) {
+    const int m = p / nb, c = p - m * nb;
     load16(x + (size_t)m * sx + 16 * c, v);
 #pragma unroll
     for (int i = 0; i < 16; ++i) mx = max(mx, mag_bits(v[i]));
@@ -563,14 +569,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
   // segmented score sum shuffles across the warp); lanes past the end carry zeros.
 #if RAC
   const int shift = score_shift(amax_all, M);
-  for (long base = 0; base < total; base += THREADS) {
-    const long p = base + threadIdx.x;
+  for (int base = 0; base < total; base += THREADS) {
+    const int p = base + threadIdx.x;
     const bool act = p < total;
-    const int c = act ? (int)(p / M) : -1, m = act ? (int)(p - (long)c * M) : 0;
+    const int c = act ? p / M : -1, m = act ? p - c * M : 0;
     if (act) {
 #if PER_TOKEN
-      const Glob g = globals(__uint_as_float(s_amax[m]));
-      if (c == 0) s_dec_out[m] = g.s_dec;
+      const Glob g = s_gx[m];
 #endif
       load16(x + (size_t)m * sx + 16 * c, v);
       quant_block(v, g, b, xh, lim);
@@ -581,10 +586,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     for (int i = 0; i < 16; ++i) {
       v[i] = act ? __fsub_rn(v[i], xh[i]) : 0.0f;  // R
       rmx = max(rmx, mag_bits(v[i]));
-      if (keep_r && act) rbuf[(long)i * total + p] = v[i];
+    }
+    if (keep_r && act) {
+      float4* q = (float4*)(rbuf + p * 16);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
     }
     if (act) atomicMax(&s_ramax[PER_TOKEN ? m : 0], rmx);
-    if (want_scores) {
+    if (want_scores && (M == 1 || !keep_r)) {
       if (M == 1) {
         if (act)
 #pragma unroll
@@ -611,9 +620,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
       }
     }
   }
+  if (want_scores && M > 1 && keep_r) {
+    // the residual is in shared memory: one thread per channel sums its M terms in row order
+    __syncthreads();
+    for (int j = threadIdx.x; j < K; j += THREADS) {
+      const int c = j >> 4;
+      const int i = j & 15;
+      u64 sc = 0;
+      for (int m = 0; m < M; ++m) sc += score_term(rbuf[(c * M + m) * 16 + i], shift);
+      keys[j] = sc;
+    }
+  }
 #else
-  for (long p = threadIdx.x; p < total; p += THREADS) {
-    const int c = (int)(p / M), m = (int)(p - (long)c * M);
+  for (int p = threadIdx.x; p < total; p += THREADS) {
+    const int c = p / M, m = p - c * M;
 #if PER_TOKEN
     const Glob g = globals(__uint_as_float(s_amax[m]));
     if (c == 0) s_dec_out[m] = g.s_dec;
@@ -640,17 +660,29 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
 #if !PER_TOKEN
   const Glob gr = globals(__uint_as_float(s_ramax[0]));
   if (threadIdx.x == 0) s_dec_r_out[0] = gr.s_dec;
+#else
+  for (int m = threadIdx.x; m < M; m += THREADS) {
+    s_gr[m] = globals(__uint_as_float(s_ramax[m]));
+    s_dec_r_out[m] = s_gr[m].s_dec;
+  }
+  __syncthreads();
 #endif
-  for (long p = threadIdx.x; p < total; p += THREADS) {
-    const int c = (int)(p / M), m = (int)(p - (long)c * M);
+  for (int p = threadIdx.x; p < total; p += THREADS) {
+    const int c = p / M, m = p - c * M;
 #if PER_TOKEN
-    const Glob gr = globals(__uint_as_float(s_ramax[m]));
-    if (c == 0) s_dec_r_out[m] = gr.s_dec;
+    const Glob gr = s_gr[m];
 #endif
     const u32 mw = s_mask[(16 * c) >> 5] >> ((16 * c) & 31);
     if (keep_r) {
+      const float4* q = (const float4*)(rbuf + p * 16);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = rbuf[(long)i * total + p];
+      for (int i = 0; i < 4; ++i) {
+        const float4 f = q[i];
+        v[4 * i] = f.x;
+        v[4 * i + 1] = f.y;
+        v[4 * i + 2] = f.z;
+        v[4 * i + 3] = f.w;
+      }
       quant_block(v, gr, b, 0, lim);
 #pragma unroll
       for (int i = 0; i < 16; ++i)
@@ -658,7 +690,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
       store16_bf16(br + (size_t)m * sbr + 16 * c, b);
     } else {
 #if PER_TOKEN
-      const Glob gx = globals(__uint_as_float(s_amax[m]));
+      const Glob gx = s_gx[m];
 #else
       const Glob gx = globals(__uint_as_float(s_amax[0]));
 #endif
