@@ -33,16 +33,13 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--tasks", default="1,2", help="comma list of LEVEL or LEVEL:OPS (e.g. 2:+ = level 2 with + only) "
                     "or a qpass.rl.task.TASK_PRESETS name (successor, larger)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--prompts", 8), ("--group-size", 4), ("--max-new-tokens", 48), ("--seed", 0)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--template", default="auto", help="a key of qpass.rl.task.TEMPLATES, or a comma list of keys "
                     "('auto': the task kind's own, qpass.rl.task.KINDS)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--n-train", type=int, default=2000)
-    ap.add_argument("--n-eval", type=int, default=500)
-    ap.add_argument("--threads", type=int, default=1)
+    for flag, default in (("--n-train", 2000), ("--n-eval", 500), ("--threads", 1)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

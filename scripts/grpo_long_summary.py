@@ -1,4 +1,4 @@
-"""Summary table of long GRPO runs (``scripts/gpu_grpo_long.sh``): one row per run directory.
+"""Summary table of long GRPO runs (``bash scripts/gpu.sh grpo-long``): one row per run directory.
 
     python scripts/grpo_long_summary.py OUT_MD RUN_DIR...
 

@@ -19,7 +19,7 @@ Writes ``OUT/parity_<device>.json`` (one JSON object; every number labelled) and
 
 Provenance (lab file; scripts/README.md): produced `docs/results/megatron/parity_cpu.json` and
 `docs/results/megatron/logits_cpu.json` (docs/results/megatron.md, Megatron learner) and, through
-scripts/gpu_megatron.sh, `docs/results/h200/megatron/`.
+`bash scripts/gpu.sh megatron` (then scripts/gpu_megatron.sh), `docs/results/h200/megatron/`.
 """
 
 from __future__ import annotations

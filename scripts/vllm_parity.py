@@ -18,6 +18,9 @@ computes with qpass's numerics.
 
 Provenance (lab file; scripts/README.md): produced `docs/results/vllm/parity_fp32.json` and
 `docs/results/vllm/parity_fp32_w4a16.json` (docs/results/engines.md, vLLM rollout engine); needs vllm.
+The command line and the float32 qpass rollout built from an apply directory are shared with
+``scripts/probes/vllm_divergence_probe.py`` and ``scripts/probes/vllm_site_trace.py``, which load this file
+as a module (:func:`vllm_cli`, :func:`read_apply_dir`, :func:`fp32_rollout`).
 """
 
 from __future__ import annotations
@@ -25,28 +28,62 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from qpass.graph.model import load_model
+from qpass.pipeline import Pipeline
+from qpass.prompts import encode_chat, probe_prompts
+from qpass.recipe import parse_recipe
+from qpass.runtime.engine import make_rollout_engine
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def vllm_cli(doc: str, *, max_new_tokens: bool = True) -> argparse.ArgumentParser:
+    """The vLLM lab files' command line: CKPT (a ``qpass export --format qpass`` checkpoint), APPLY_DIR
+    (the ``qpass apply`` output it came from), --out FILE, --prompts N (probe prompts, default 6) and,
+    unless ``max_new_tokens`` is False, --max-new-tokens (default 24). Description: ``doc``'s first paragraph."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("ckpt", type=Path)
     ap.add_argument("apply_dir", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    a = ap.parse_args()
+    if max_new_tokens:
+        ap.add_argument("--max-new-tokens", type=int, default=24)
+    return ap
 
-    import torch
-    from safetensors.torch import load_file
+
+def read_apply_dir(apply_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An apply output's ``report.json`` and learner masters (``learner/model.safetensors``, HF names)."""
+    report = json.loads((apply_dir / "report.json").read_text())
+    return report, load_file(str(apply_dir / "learner" / "model.safetensors"))
+
+
+def fp32_rollout(apply_dir: Path, report: dict[str, Any], masters: dict[str, torch.Tensor], prompts: int,
+                 max_len: Callable[[list[list[int]]], int]) -> tuple[Any, Any, list[list[int]], Any]:
+    """qpass's rollout graph of the apply's recipe in float32 on its masters, batch 1.
+
+    Returns (loaded model, the masters' ``load_state_dict`` result, the first ``prompts`` probe prompts
+    chat-encoded (token ids), the qpass rollout engine); ``max_len(ids)`` is the graph's sequence length.
+    """
+    lm = load_model(report["model"].get("ref", "default"), dtype=torch.float32)
+    missing = lm.model.load_state_dict({k: v.float() for k, v in masters.items()}, strict=False)
+    recipe = parse_recipe(report["recipe"]["text"], str(apply_dir / "rollout" / "recipe.yaml"))
+    ids = encode_chat(lm.tokenizer, probe_prompts(prompts))
+    pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=max_len(ids))
+    _, rollout = pipe.build(recipe)
+    ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
+    return lm, missing, ids, ro
+
+
+def main() -> None:
+    a = vllm_cli(__doc__).parse_args()
 
     from qpass.backends.vllm.engine import VLLMRolloutEngine
-    from qpass.graph.model import load_model
     from qpass.parity.served import check_served_weights
-    from qpass.pipeline import Pipeline
-    from qpass.prompts import encode_chat, probe_prompts
-    from qpass.recipe import parse_recipe
-    from qpass.runtime.engine import make_rollout_engine
 
     res: dict = {"ckpt": str(a.ckpt), "apply_dir": str(a.apply_dir)}
     t0 = time.perf_counter()
@@ -65,8 +102,7 @@ def main() -> None:
     res["plain_vllm_s"] = time.perf_counter() - t0
 
     # 2. bytes read back
-    report = json.loads((a.apply_dir / "report.json").read_text())
-    masters = load_file(str(a.apply_dir / "learner" / "model.safetensors"))
+    report, masters = read_apply_dir(a.apply_dir)
     eng = VLLMRolloutEngine(a.ckpt, dtype="float32", batch_size=1, max_model_len=512, kv_cache_bytes=512 << 20)
     served = eng.served_weights()
     rollout_file = load_file(str(a.apply_dir / "rollout" / "weights.safetensors"))
@@ -82,14 +118,8 @@ def main() -> None:
                        "vs_qpass_quantizer_of_masters": {"ok": chk.ok, "checked": chk.checked, "mismatches": list(chk.mismatches[:5])}}
 
     # 3. sampled log-probs vs qpass's rollout graph (fp32, batch 1)
-    lm = load_model(report["model"].get("ref", "default"), dtype=torch.float32)
-    sd = {k: v.float() for k, v in hf_masters.items()}
-    missing = lm.model.load_state_dict(sd, strict=False)
-    recipe = parse_recipe(report["recipe"]["text"], str(a.apply_dir / "rollout" / "recipe.yaml"))
-    ids = encode_chat(lm.tokenizer, probe_prompts(a.prompts))
-    pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=max(len(p) for p in ids) + a.max_new_tokens + 1)
-    _, rollout = pipe.build(recipe)
-    ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
+    lm, missing, ids, ro = fp32_rollout(a.apply_dir, report, hf_masters, a.prompts,
+                                        lambda ids: max(len(p) for p in ids) + a.max_new_tokens + 1)
     ds, rows = [], []
     for i, p in enumerate(ids):
         b = eng.generate([p], max_new_tokens=a.max_new_tokens, seed=i)

@@ -1,6 +1,7 @@
 """scripts/ holds commands and lab files only (scripts/README.md): every file has a README row, nothing
 edits ``sys.path``, the commands run (a tiny CPU case or ``--help``), every qpass name a Python
-script imports exists, and the shell launchers parse (``bash -n``)."""
+script imports exists, the shell launchers parse (``bash -n``), and the GPU-box entry point
+``scripts/gpu.sh`` lists, dispatches and refuses its subcommands (run here with stub bodies: no GPU)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ FILES = sorted(str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*") if p.is_f
                and "__pycache__" not in p.parts)
 PY = [f for f in FILES if f.endswith(".py")]
 SH = [f for f in FILES if f.endswith(".sh")]
-WITH_CLI = [f for f in PY if "argparse" in (SCRIPTS / f).read_text()]
+WITH_CLI = [f for f in PY if "argparse" in (SCRIPTS / f).read_text() or "vllm_cli(" in (SCRIPTS / f).read_text()]
 
 
 def test_readme_has_one_row_per_file():
     rows = re.findall(r"^\| `([^`]+)` \|", (SCRIPTS / "README.md").read_text(), flags=re.M)
     assert sorted(rows) == FILES
-    assert len(FILES) == 33 and len(SH) == 12
+    assert len(FILES) == 44 and len(SH) == 22
 
 
 def test_nothing_edits_sys_path():
@@ -153,3 +154,117 @@ def test_moe_apply_summary_on_a_tiny_apply_output(tmp_path, monkeypatch):
         "w13_groups_fuse_gate_and_up": True, "expert_sites_all_nvfp4_w4a4": True, "rac_sites": 2,
         "rac_sites_are_w13": True, "routers_excluded": ["model.layers.0.mlp.gate", "..."],
         "routers_excluded_count": 1, "logprob_gap": None, "ok": True}
+
+
+# --- scripts/gpu.sh: the one GPU-box entry point (stub bodies stand in for the GPU work)
+
+GPU_SUBCOMMANDS = ["kernels", "gemv", "moe", "grpo", "grpo-long", "long-jobs", "megatron", "study", "vllm-linear", "bf16-gap"]
+WRAPPERS = {"gpu_kernels.sh": "kernels", "gpu_gemv.sh": "gemv", "gpu_moe.sh": "moe", "gpu_grpo.sh": "grpo",
+            "gpu_grpo_long.sh": "grpo-long", "gpu_long_jobs.sh": "long-jobs", "gpu_megatron.sh": "megatron",
+            "gpu_study.sh": "study", "gpu_vllm_linear.sh": "vllm-linear", "probes/bf16_gap_probe.sh": "bf16-gap"}
+HELP_ROW = re.compile(r"^  (\S+) +(.+?)  \[scripts/gpu/(\S+)\.sh; (.+)\]$")
+
+
+def _gpu(*argv: str, cwd: Path = ROOT, script: Path = SCRIPTS / "gpu.sh") -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *argv], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def _help_rows() -> list[tuple[str, str, str, list[str]]]:
+    r = _gpu("--help")
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.startswith("usage: [KNOB=value ...] bash scripts/gpu.sh SUBCOMMAND [ARGS]")
+    rows = [m.groups() for m in map(HELP_ROW.match, r.stdout.splitlines()) if m]
+    return [(name, what, body, mods.split()) for name, what, body, mods in rows]
+
+
+def test_gpu_help_lists_every_subcommand_once():
+    assert [name for name, *_ in _help_rows()] == GPU_SUBCOMMANDS
+    for flag in ("-h", "help"):
+        assert _gpu(flag).stdout == _gpu("--help").stdout
+
+
+def test_every_gpu_body_has_one_subcommand_and_runs_existing_modules():
+    rows = _help_rows()
+    bodies = sorted(f"{b}.sh" for _, _, b, _ in rows)
+    assert bodies == sorted(p.name for p in (SCRIPTS / "gpu").glob("*.sh"))
+    for name, _, body, mods in rows:
+        assert body == name.replace("-", "_")
+        text = (SCRIPTS / "gpu" / f"{body}.sh").read_text()
+        assert f"# Body of `bash scripts/gpu.sh {name}`" in text
+        for mod in mods:  # named by the body; a scripts/ file, or a module file of the source tree (not imported: no triton)
+            rel = Path(mod) if "/" in mod else Path("src", *mod.split("."))
+            found = (ROOT / rel).is_file() or (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+            assert mod in text and found, (name, mod)
+
+
+@pytest.mark.parametrize("argv,message", [(("nope",), "gpu.sh: unknown subcommand 'nope' (one of: " + " ".join(GPU_SUBCOMMANDS) + ")\n"),
+                                          ((), "gpu.sh: missing SUBCOMMAND\n")])
+def test_gpu_refuses_a_missing_or_unknown_subcommand_with_exit_2(argv, message):
+    r = _gpu(*argv)
+    assert r.returncode == 2 and r.stdout == "" and message in r.stderr
+
+
+def _stub_repo(tmp_path: Path) -> Path:
+    """A repository root whose gpu/*.sh bodies only report what gpu.sh gave them (arguments, gpu_open's effects)."""
+    (tmp_path / "scripts" / "gpu").mkdir(parents=True)
+    (tmp_path / "scripts" / "gpu.sh").write_text((SCRIPTS / "gpu.sh").read_text())
+    for sub in GPU_SUBCOMMANDS:
+        (tmp_path / "scripts" / "gpu" / f"{sub.replace('-', '_')}.sh").write_text(
+            f'gpu_open\necho "{sub} args=$*; OUT=${{OUT#$REPO/}}; strict=$(set -o | grep -c "nounset.*on")"\nexit 7\n')
+    return tmp_path
+
+
+def test_gpu_sources_the_subcommands_body_with_its_arguments(tmp_path):
+    repo = _stub_repo(tmp_path)
+    r = _gpu("grpo-long", "speed", "x y", cwd=repo, script=repo / "scripts" / "gpu.sh")
+    assert (r.returncode, r.stdout, r.stderr) == (7, "grpo-long args=speed x y; OUT=gpu_out; strict=1\n", "")
+    assert (repo / "gpu_out").is_dir()
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_every_old_launcher_path_is_a_one_line_wrapper(wrapper, tmp_path):
+    sub = WRAPPERS[wrapper]
+    lines = [ln for ln in (SCRIPTS / wrapper).read_text().splitlines() if not ln.startswith("#")]
+    assert lines == [f'exec bash "$(pwd)/scripts/gpu.sh" {sub} "$@"']
+    repo = _stub_repo(tmp_path)
+    r = _gpu("a", cwd=repo, script=SCRIPTS / wrapper)
+    assert (r.returncode, r.stdout) == (7, f"{sub} args=a; OUT=gpu_out; strict=1\n")
+
+
+def _summary(*argv: str, monkeypatch) -> tuple[object, list[str]]:
+    code, out = _run("gpu_summary.py", *argv, monkeypatch=monkeypatch)
+    return code, out.splitlines()
+
+
+def test_gpu_summary_of_a_moe_run(tmp_path, monkeypatch):
+    (tmp_path / "moe_check.json").write_text(json.dumps({
+        "ok": False, "complete": False, "wall_s": 3, "device": "H200",
+        "checks": [{"name": "bits", "ok": True, "detail": "a|b\nsecond line"}, {"name": "rel", "ok": False, "detail": ""}],
+        "timing": [{"shape": "s", "T": 16, "skipped": "budget"},
+                   {"shape": "s", "T": 512, "rows": 4096, "N": 2048, "K": 1024, "case": "grouped", "ms": 0.25}]}))
+    code, lines = _summary("moe", str(tmp_path), "1", str(2**40), monkeypatch=monkeypatch)
+    assert code is None
+    assert lines[:12] == ["# qpass grouped experts GEMM on the GPU: summary", "",
+                          "## checks: FAILURES -- INCOMPLETE (rc=1, 3 s, H200)", "",
+                          "| check | result | detail |", "| --- | --- | --- |",
+                          "| bits | PASS | a|b |", "| rel | **FAIL** |  |", "",
+                          "| shape | T | rows | N | K | case | ms |", "| --- | --- | --- | --- | --- | --- | --- |",
+                          "| s | 16 | - | - | - | skipped (budget) | - |"]
+    assert lines[12:14] == ["| s | 512 | 4096 | 2048 | 1024 | grouped | 0.25 |", ""]
+    assert re.fullmatch(rf"total wall time -\d+ s; files in {re.escape(str(tmp_path))}", lines[14]) and len(lines) == 15
+
+
+def test_gpu_summary_of_a_kernels_run(tmp_path, monkeypatch):
+    (tmp_path / "selfcheck.json").write_text(json.dumps({
+        "ok": True, "seed": 0, "wall_s": 12.5, "checks": [{"name": "gemm", "ok": True, "detail": "x|y"}]}))
+    # bench.json missing: the benchmark part becomes a NO REPORT line, the summary still prints
+    code, lines = _summary("kernels", str(tmp_path), "0", "124", str(2**40), monkeypatch=monkeypatch)
+    assert code is None
+    assert lines[:8] == ["# qpass GPU kernel run: summary", "", "## correctness: ALL PASS (rc=0, seed 0, 12.5 s)", "",
+                         "| check | result | detail |", "| --- | --- | --- |", "| gemm | PASS | x/y |", ""]
+    assert lines[8].startswith("## benchmark: NO REPORT (rc=124): FileNotFoundError: ")
+
+
+def test_gpu_summary_refuses_bad_arguments_with_exit_2(monkeypatch):
+    code, _ = _summary("kernels", "OUT", "0", monkeypatch=monkeypatch)
+    assert code == 2

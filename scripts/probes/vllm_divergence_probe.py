@@ -19,42 +19,32 @@ vLLM rollout engine); needs vllm.
 
 from __future__ import annotations
 
-import argparse
 import json
+import runpy
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+
+def _vllm_parity() -> SimpleNamespace:
+    """scripts/vllm_parity.py's shared command line and float32 apply-dir rollout (loaded by path: no sys.path edit)."""
+    return SimpleNamespace(**runpy.run_path(str(Path(__file__).resolve().parents[1] / "vllm_parity.py")))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ckpt", type=Path)
-    ap.add_argument("apply_dir", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    vp = _vllm_parity()
+    ap = vp.vllm_cli(__doc__)
     ap.add_argument("--configs", default="default,no_prefix_cache")
     a = ap.parse_args()
 
     import torch
-    from safetensors.torch import load_file
 
     from qpass.backends.vllm.engine import VLLMRolloutEngine
-    from qpass.graph.model import load_model
-    from qpass.pipeline import Pipeline
-    from qpass.prompts import encode_chat, probe_prompts
-    from qpass.recipe import parse_recipe
-    from qpass.runtime.engine import make_rollout_engine
 
     t0 = time.perf_counter()
-    report = json.loads((a.apply_dir / "report.json").read_text())
-    masters = load_file(str(a.apply_dir / "learner" / "model.safetensors"))
-    lm = load_model(report["model"].get("ref", "default"), dtype=torch.float32)
-    lm.model.load_state_dict({k: v.float() for k, v in masters.items()}, strict=False)
-    recipe = parse_recipe(report["recipe"]["text"], str(a.apply_dir / "rollout" / "recipe.yaml"))
-    ids = encode_chat(lm.tokenizer, probe_prompts(a.prompts))
-    pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=max(len(p) for p in ids) + a.max_new_tokens + 1)
-    _, rollout = pipe.build(recipe)
-    ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
+    report, masters = vp.read_apply_dir(a.apply_dir)
+    lm, _, ids, ro = vp.fp32_rollout(a.apply_dir, report, masters, a.prompts,
+                                     lambda ids: max(len(p) for p in ids) + a.max_new_tokens + 1)
 
     res: dict = {"ckpt": str(a.ckpt), "apply_dir": str(a.apply_dir), "recipe": report["recipe"].get("name"), "configs": {}}
     # control: qpass generate vs qpass score of its own tokens

@@ -17,35 +17,32 @@ Provenance (lab file; scripts/README.md): produced `docs/results/vllm/site_trace
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
+import runpy
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+
+def _vllm_parity() -> SimpleNamespace:
+    """scripts/vllm_parity.py's shared command line and float32 apply-dir rollout (loaded by path: no sys.path edit)."""
+    return SimpleNamespace(**runpy.run_path(str(Path(__file__).resolve().parents[1] / "vllm_parity.py")))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ckpt", type=Path)
-    ap.add_argument("apply_dir", type=Path)
+    vp = _vllm_parity()  # imports the qpass modules the rollout needs before the recording wrapper below
+    ap = vp.vllm_cli(__doc__, max_new_tokens=False)
     ap.add_argument("--prompt", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
 
     import torch
-    from safetensors.torch import load_file
 
     import qpass.ops as qops
     import qpass.quant.linear as qlin
     from qpass.backends.vllm.engine import VLLMRolloutEngine
-    from qpass.graph.model import load_model
-    from qpass.pipeline import Pipeline
-    from qpass.prompts import encode_chat, probe_prompts
     from qpass.quant.nvfp4 import nvfp4_quantize
     from qpass.quant.rac import rac_reference
-    from qpass.recipe import parse_recipe
-    from qpass.runtime.engine import make_rollout_engine
 
     calls: list[dict] = []
     orig = qlin.w4a4_linear_reference
@@ -60,16 +57,9 @@ def main() -> None:
     qops.w4a4_linear_reference = rec
 
     t0 = time.perf_counter()
-    report = json.loads((a.apply_dir / "report.json").read_text())
-    masters = load_file(str(a.apply_dir / "learner" / "model.safetensors"))
-    lm = load_model(report["model"].get("ref", "default"), dtype=torch.float32)
-    lm.model.load_state_dict({k: v.float() for k, v in masters.items()}, strict=False)
-    recipe = parse_recipe(report["recipe"]["text"], str(a.apply_dir / "rollout" / "recipe.yaml"))
-    ids = encode_chat(lm.tokenizer, probe_prompts(a.prompts))
+    report, masters = vp.read_apply_dir(a.apply_dir)
+    lm, _, ids, ro = vp.fp32_rollout(a.apply_dir, report, masters, a.prompts, lambda ids: len(ids[a.prompt]) + 8)
     p = ids[a.prompt]
-    pipe = Pipeline.prepare(loaded=lm, batch_size=1, max_len=len(p) + 8)
-    _, rollout = pipe.build(recipe)
-    ro = make_rollout_engine("qpass", qg=rollout, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
 
     eng = VLLMRolloutEngine(a.ckpt, dtype="float32", batch_size=1, max_model_len=512, kv_cache_bytes=512 << 20)
     calls.clear()
