@@ -1,6 +1,6 @@
 """Compile qpass's CUDA C++ kernels with NVRTC and launch them on torch's current stream.
 
-The kernels (``kernels/*.cu``, shipped as package data) are plain CUDA C++ with inline PTX and no
+The kernels (``kernels/*.cu`` and the ``*.cuh`` they include, shipped as package data) are plain CUDA C++ with inline PTX and no
 header includes, so NVRTC compiles them in about a second and no CUDA toolkit is needed: NVRTC and
 the driver API come from the ``cuda-bindings`` package (``pip install "qpass[cuda]"``), the NVRTC
 library from ``nvidia-cuda-nvrtc`` (a dependency of CUDA builds of torch). Compiling needs no GPU
