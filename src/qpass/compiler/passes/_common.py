@@ -10,7 +10,9 @@ import torch
 
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import LINEAR_TARGETS, Site, groups_of, select_sites
-from qpass.compiler.manager import PassOptions, Rewrites
+from qpass.compiler.manager import Cleanup, Pass, PassOptions, Rewrites
+from qpass.formats.spec import QuantSpec
+from qpass.tables import entry
 
 
 def reject_foreign_options(opts: PassOptions, owners: dict[str, tuple[str, str]]) -> None:
@@ -42,6 +44,20 @@ class FormatOptions(PassOptions):
     def _options_of_the_format(self) -> "FormatOptions":
         reject_foreign_options(self, self.FOREIGN)
         return self
+
+
+class QDQPass(Pass):
+    """A learner-side QDQ pass (``act_qdq``, ``weight_qdq``): the contract both declare, and the table
+    entries of the spec their options name. Subclasses set ``name``, ``Options``, ``sides``, ``ensures``."""
+
+    requires = ("sites_stamped",)
+    mutation = "in_place"
+    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
+
+    def entries(self) -> tuple[QuantSpec, object, int]:
+        """``(spec, its learner_qdq table entry, the K multiple its rollout lowering needs)``."""
+        spec = self.options.spec()
+        return spec, entry("learner_qdq", spec), entry("rollout_lower", spec).k_multiple
 
 
 def selected(qg: QGraph, opts: PassOptions, *, need_nvfp4: bool = False) -> tuple[list[Site], list[tuple[str, str]]]:

@@ -22,11 +22,10 @@ from qpass.formats.spec import FP8Spec, Granularity, QuantSpec, nvfp4_act_spec_o
 from qpass.graph.qgraph import QGraph, learner_linear_targets
 from qpass.graph.records import SiteQuant
 from qpass.graph.sites import LINEAR_TARGETS
-from qpass.compiler.manager import Cleanup, Pass, PassContext, Rewrites, register_pass
+from qpass.compiler.manager import PassContext, Rewrites, register_pass
 from qpass.quant import qdq  # noqa: F401
-from qpass.tables import entry
 
-from qpass.compiler.passes._common import FormatOptions, copy_meta, selected
+from qpass.compiler.passes._common import FormatOptions, QDQPass, copy_meta, selected
 
 
 class ActQDQOptions(FormatOptions):
@@ -44,21 +43,16 @@ class ActQDQOptions(FormatOptions):
 
 
 @register_pass
-class ActQDQ(Pass):
+class ActQDQ(QDQPass):
     """Insert dynamic activation QDQ (the spec's ``learner_qdq`` op) before targeted linears (learner or rollout)."""
 
     name = "act_qdq"
     Options = ActQDQOptions
     sides = ("learner", "rollout")
-    requires = ("sites_stamped",)
     ensures = ("act_qdq",)
-    mutation = "in_place"
-    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
     def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
-        spec = self.options.spec()
-        lq = entry("learner_qdq", spec)
-        k_multiple = entry("rollout_lower", spec).k_multiple
+        spec, lq, k_multiple = self.entries()
         op = lq.overload("activation")
         sites, skipped = selected(qg, self.options)
         out = Rewrites(skipped=skipped)

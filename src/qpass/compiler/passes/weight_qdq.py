@@ -35,11 +35,10 @@ import torch
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec, nvfp4_weight_spec
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
-from qpass.compiler.manager import Cleanup, Pass, PassContext, Rewrites, register_pass
+from qpass.compiler.manager import PassContext, Rewrites, register_pass
 from qpass.quant import qdq  # noqa: F401 - registers the ops
-from qpass.tables import entry
 
-from qpass.compiler.passes._common import (FormatOptions, bias_arg, copy_meta, graph_order, grouped, k_aligned,
+from qpass.compiler.passes._common import (FormatOptions, QDQPass, bias_arg, copy_meta, graph_order, grouped, k_aligned,
                                            selected, with_linear_nodes)
 
 
@@ -60,21 +59,16 @@ class WeightQDQOptions(FormatOptions):
 
 
 @register_pass
-class WeightQDQ(Pass):
+class WeightQDQ(QDQPass):
     """Insert the weight spec's STE weight-QDQ linear on every targeted linear (learner)."""
 
     name = "weight_qdq"
     Options = WeightQDQOptions
     sides = ("learner",)
-    requires = ("sites_stamped",)
     ensures = ("weight_qdq",)
-    mutation = "in_place"
-    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
     def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
-        spec = self.options.spec()
-        lq = entry("learner_qdq", spec)
-        k_multiple = entry("rollout_lower", spec).k_multiple
+        spec, lq, k_multiple = self.entries()
         sites, skipped = selected(qg, self.options)
         out = Rewrites(skipped=skipped)
         ok = k_aligned(sites, k_multiple, out)
