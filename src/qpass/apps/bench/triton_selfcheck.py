@@ -36,13 +36,14 @@ from collections.abc import Callable
 import torch
 
 import qpass.backends.triton  # noqa: F401 - needs triton; registers its kernels (as when this module lived there)
-# the checks import the kernels when they run (a test patches qpass.backends.triton's attributes)
 from qpass.formats.spec import FP8_ACT_BLOCK, NVFP4_ACT, NVFP4_ACT_PER_TOKEN
 from qpass.quant.fp8 import fp8_dequantize, fp8_quantize
 from qpass.quant.mxfp4 import mxfp4_quantize
 from qpass.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from qpass.quant.rac import RACConfig, rac_reference
 
+#: a check: ``() -> (ok, detail)``. The check functions below import their kernels from ``qpass.backends.triton``
+#: inside the function, not at module import, so a test that patches that package before :func:`checks` reaches them
 Check = Callable[[], tuple[bool, str]]
 
 
@@ -181,6 +182,7 @@ class _Sizes:
 # ---- quantization bytes
 def _q_nvfp4(s: _Sizes, m: int, k: int, dtype: torch.dtype, per_token: bool) -> Check:
     from qpass.backends.triton import nvfp4_quantize_triton
+
     dev = s.dev
 
     def f():
@@ -200,6 +202,7 @@ def _q_nvfp4(s: _Sizes, m: int, k: int, dtype: torch.dtype, per_token: bool) -> 
 
 def _q_fp8(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import fp8_quantize_triton
+
     dev, big = s.dev, s.big
     x = _acts(big, big, dev)
     bad = []
@@ -212,6 +215,7 @@ def _q_fp8(s: _Sizes) -> tuple[bool, str]:
 
 def _q_mx(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import mxfp4_quantize_triton
+
     dev, sm = s.dev, s.sm
     x = _acts(4096 // sm, 4096 // sm, dev)
     a, b = mxfp4_quantize_triton(x), mxfp4_quantize(x)
@@ -221,6 +225,7 @@ def _q_mx(s: _Sizes) -> tuple[bool, str]:
 # ---- RAC
 def _rac_all(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import rac_triton
+
     dev, tiny, quick = s.dev, s.tiny, s.quick
     m, k = (32, 64) if tiny else ((1024, 2048) if quick else (4096, 4096))
     x = _acts(m, k, dev)
@@ -244,6 +249,7 @@ def _rac_all(s: _Sizes) -> tuple[bool, str]:
 # a float32 output holds the decoded bf16 value exactly (products with 1, sums of exact zeros)
 def _decode_exact(s: _Sizes, decode: str, m: int, gemv: bool | None = None) -> Check:
     from qpass.backends.triton import w4a16_linear_triton
+
     dev, tiny = s.dev, s.tiny
 
     def f():
@@ -266,6 +272,7 @@ def _decode_exact(s: _Sizes, decode: str, m: int, gemv: bool | None = None) -> C
 # ---- GEMMs
 def _gemm_w4a16(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import w4a16_linear_triton
+
     dev, n_big, m_big = s.dev, s.n_big, s.m_big
     w = nvfp4_quantize((torch.randn(n_big, n_big, device=dev) * 0.02).to(torch.bfloat16))
     errs, mma, floors = {}, {}, {}
@@ -287,6 +294,7 @@ def _gemv(s: _Sizes, shapes: list[tuple[int, int]], decode: str | None = None) -
     the GEMM's bound (< 1e-5); the tensor-core GEMM (``gemv=False``) and cuBLAS on the same inputs
     are reported beside it; a repeated call must give the same bits (no atomics)."""
     from qpass.backends.triton import w4a16_linear_triton
+
     dev, tiny = s.dev, s.tiny
     from qpass.quant.linear import nvfp4_linear_reference
 
@@ -326,6 +334,7 @@ def _gemv(s: _Sizes, shapes: list[tuple[int, int]], decode: str | None = None) -
 
 def _gemv_w4a4(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import w4a4_linear_triton
+
     dev, tiny = s.dev, s.tiny
     n, k = (64, 256) if tiny else (4096, 4096)
     w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
@@ -343,6 +352,7 @@ def _gemm_w4a4(s: _Sizes, n: int, k: int, decode: str | None = None, compare_mma
     """Gated on the default (two-level) accumulation; ``compare_mma`` also reports the error of
     ``accumulation='mma'`` (whole K sum in the tensor-core accumulator) on the same inputs."""
     from qpass.backends.triton import w4a4_linear_triton
+
     dev, sm, m_big = s.dev, s.sm, s.m_big
 
     def f():
@@ -387,6 +397,7 @@ def _gemm_w4a4(s: _Sizes, n: int, k: int, decode: str | None = None, compare_mma
 
 def _gemm_fp8(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import fp8_linear_triton
+
     dev, n_big, m_big = s.dev, s.n_big, s.m_big
     n = k = n_big
     w = fp8_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16), "block_128x128")
@@ -411,6 +422,7 @@ def _gemm_fp8(s: _Sizes) -> tuple[bool, str]:
 # ---- CUDA graph capture of the decode path
 def _graph(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import no_sync_checks, w4a4_linear_triton
+
     dev = s.dev
     n = k = 4096
     w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
@@ -438,6 +450,7 @@ def _graph(s: _Sizes) -> tuple[bool, str]:
 
 def _graph_gemv(s: _Sizes) -> tuple[bool, str]:
     from qpass.backends.triton import no_sync_checks, w4a4_linear_triton
+
     dev = s.dev
     n = k = 4096
     w = nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
