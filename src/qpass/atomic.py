@@ -93,12 +93,7 @@ def check_output_path(final: str | Path, *, force: bool = False, marker: str = "
         if not force:
             kind = "an empty directory" if not any(final.iterdir()) else f"a previous output, it holds {marker}"
             raise QpassError(f"output directory {final} already exists ({kind}); pass --force to replace it")
-    for p in final.parents:
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                raise QpassError(f"output path {final}: {p} is not a directory")
-            break
-    _check_writable(final, "output path")
+    _check_parent_and_writable(final, "output path")
 
 
 #: Room a sibling name needs beyond the output's own name (``.NAME.partial-XXXXXXXX``, ``.NAME.qpass-lock``).
@@ -114,6 +109,17 @@ def _check_name_lengths(final: Path, what: str) -> None:
         if len(os.fsencode(part)) + room > NAME_MAX:
             raise QpassError(f"{what} {str(final)[:60]}...: the name {part[:24]!r}... is {len(os.fsencode(part))} bytes, "
                              f"more than a file system allows here (at most {NAME_MAX - room})")
+
+
+def _check_parent_and_writable(path: Path, label: str) -> None:
+    """Raise :class:`QpassError` ``"<label> <path>: <p> is not a directory"`` when the nearest existing
+    ancestor ``p`` of ``path`` is not a directory; then :func:`_check_writable`."""
+    for p in path.parents:
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise QpassError(f"{label} {path}: {p} is not a directory")
+            break
+    _check_writable(path, label)
 
 
 def _check_writable(final: Path, what: str) -> None:
@@ -161,12 +167,7 @@ def check_output_file(path: str | Path, flag: str) -> None:
     _check_name_lengths(path, flag)
     if path.is_dir():
         raise QpassError(f"{flag} {path} is a directory; give a file path")
-    for p in path.parents:
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                raise QpassError(f"{flag} {path}: {p} is not a directory")
-            break
-    _check_writable(path, flag)
+    _check_parent_and_writable(path, flag)
 
 
 def _identity(p: Path) -> tuple[int, int] | None:

@@ -37,6 +37,19 @@ __all__ = ["add_calibration_arg", "build_calibrate_parser", "load_for_model", "m
 JSON_NAME = "calibration.json"
 
 
+def _json_value(text: str, where: str, hint: str, key: str) -> object:
+    """``json.loads(text)``, a dict replaced by its ``key`` entry (None when absent).
+
+    Raises:
+        QpassError: ``"<where>: not JSON (<reason>)<hint>"``.
+    """
+    try:
+        v = json.loads(text)
+    except ValueError as exc:
+        raise QpassError(f"{where}: not JSON ({exc}){hint}") from exc
+    return v.get(key) if isinstance(v, dict) else v
+
+
 def read_prompts(path: Path) -> tuple[list[str], str]:
     """The prompt texts of a ``--prompts`` file and the file's sha256 (module docstring for the layouts).
 
@@ -58,22 +71,12 @@ def read_prompts(path: Path) -> tuple[list[str], str]:
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                v = json.loads(line)
-            except ValueError as exc:
-                raise QpassError(f"--prompts {path}:{i}: not JSON ({exc})") from exc
-            if isinstance(v, dict):
-                v = v.get("prompt")
+            v = _json_value(line, f"--prompts {path}:{i}", "", "prompt")
             if not isinstance(v, str) or not v.strip():
                 raise QpassError(f"--prompts {path}:{i}: expected a non-empty string or {{\"prompt\": string}}")
             texts.append(v)
     else:
-        try:
-            v = json.loads(text)
-        except ValueError as exc:
-            raise QpassError(f"--prompts {path}: not JSON ({exc}); use .json (a list of strings) or .jsonl (one per line)") from exc
-        if isinstance(v, dict):
-            v = v.get("prompts")
+        v = _json_value(text, f"--prompts {path}", "; use .json (a list of strings) or .jsonl (one per line)", "prompts")
         if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
             raise QpassError(f"--prompts {path}: expected a list of non-empty strings (or {{\"prompts\": [...]}})")
         texts = list(v)

@@ -122,28 +122,30 @@ def _rac(qg: QGraph) -> list[str]:
     return [f"{n.name}: RAC on a W4A16 linear (act='none')" for n in nodes if options[n][0] is None]
 
 
+def _each_op_node(qg: QGraph, op: str, problems: Callable[[torch.fx.Node], list[str]]) -> list[str]:
+    """``problems(n)`` of every ``qpass::<op>`` call node, in graph order; one problem when there is none."""
+    nodes = qg.call_nodes(getattr(_ops(), op).default)
+    if not nodes:
+        return [f"no qpass::{op} node in the graph"]
+    return [p for n in nodes for p in problems(n)]
+
+
 @graph_property("mxfp4_lowered")
 def _mxfp4_lowered(qg: QGraph) -> list[str]:
-    nodes = qg.call_nodes(_ops().mxfp4_linear.default)
-    if not nodes:
-        return ["no qpass::mxfp4_linear node in the graph"]
-    bad = []
-    for n in nodes:
+    def problems(n: torch.fx.Node) -> list[str]:
         a = op_args(n)
         codes, scales = (qg.gm.get_buffer(str(a[k].target)) for k in ("w_codes", "w_scales"))
         if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (codes.shape[0], codes.shape[1] * 2 // 32):
-            bad.append(f"{n.name} ({a['site']}): constants {codes.dtype}{tuple(codes.shape)} / {scales.dtype}{tuple(scales.shape)}")
-    return bad
+            return [f"{n.name} ({a['site']}): constants {codes.dtype}{tuple(codes.shape)} / {scales.dtype}{tuple(scales.shape)}"]
+        return []
+
+    return _each_op_node(qg, "mxfp4_linear", problems)
 
 
 @graph_property("fp8_lowered")
 def _fp8_lowered(qg: QGraph) -> list[str]:
-    nodes = qg.call_nodes(_ops().fp8_linear.default)
-    if not nodes:
-        return ["no qpass::fp8_linear node in the graph"]
-    bad = []
-    for n in nodes:
+    def problems(n: torch.fx.Node) -> list[str]:
         data = qg.gm.get_buffer(str(op_args(n)["w_data"].target))
-        if data.dtype != torch.float8_e4m3fn:
-            bad.append(f"{n.name}: weight constant dtype {data.dtype}")
-    return bad
+        return [f"{n.name}: weight constant dtype {data.dtype}"] if data.dtype != torch.float8_e4m3fn else []
+
+    return _each_op_node(qg, "fp8_linear", problems)

@@ -203,6 +203,53 @@ def _mean_or_nan(values: torch.Tensor, count: int) -> float:
     return stable_mean(values, count)
 
 
+def _token_mean(d: torch.Tensor, dt: torch.Tensor, usable: torch.Tensor, absd: torch.Tensor, df: torch.Tensor,
+                k3_tok: torch.Tensor, n_fin: int) -> MismatchReduction:
+    """The token-mean reduction of :func:`mismatch_metrics` (all tokens of the batch as one sample).
+
+    ``d``/``dt``: float64 ``[B, T]`` log-ratios, raw and ESS-truncated; ``absd``/``df``/``k3_tok``:
+    ``|d|``, ``d`` and the K3 term on finite tokens (0 elsewhere); ``n_fin``: the finite-token count.
+    """
+    tok_ess_raw, tok_n = _ess_rows(d.reshape(1, -1), usable.reshape(1, -1))
+    tok_ess_tr, _ = _ess_rows(dt.reshape(1, -1), usable.reshape(1, -1))
+    has_tok = int(tok_n[0]) > 0
+    return MismatchReduction(
+        g_abs=_mean_or_nan(absd, n_fin),
+        k1=-_mean_or_nan(df, n_fin),
+        k3=_mean_or_nan(k3_tok, n_fin),
+        ess_raw=float(tok_ess_raw[0]) if has_tok else _NAN,
+        ess_trunc=float(tok_ess_tr[0]) if has_tok else _NAN,
+        count=n_fin,
+    )
+
+
+def _response_mean(d: torch.Tensor, dt: torch.Tensor, usable: torch.Tensor, absd: torch.Tensor, df: torch.Tensor,
+                   k3_tok: torch.Tensor, n_fin_row: torch.Tensor, zero: torch.Tensor) -> MismatchReduction:
+    """The response-mean reduction of :func:`mismatch_metrics` (mean over responses of each response's
+    token mean; responses without a finite token left out). Arguments as :func:`_token_mean`;
+    ``n_fin_row``: int ``[B]`` finite tokens per response; ``zero``: float64 0-dim."""
+    rows = n_fin_row > 0
+    n_rows = int(rows.sum())
+    denom = n_fin_row.clamp(min=1).double()
+
+    def resp_mean(per_token: torch.Tensor) -> float:
+        per_row = stable_row_mean(per_token, denom)
+        return _mean_or_nan(torch.where(rows, per_row, torch.zeros_like(per_row)), n_rows)
+
+    r_ess_raw, r_n = _ess_rows(d, usable)
+    r_ess_tr, _ = _ess_rows(dt, usable)
+    ess_rows = r_n > 0
+    n_ess_rows = int(ess_rows.sum())
+    return MismatchReduction(
+        g_abs=resp_mean(absd),
+        k1=-resp_mean(df),
+        k3=resp_mean(k3_tok),
+        ess_raw=_mean_or_nan(torch.where(ess_rows, r_ess_raw, zero), n_ess_rows),
+        ess_trunc=_mean_or_nan(torch.where(ess_rows, r_ess_tr, zero), n_ess_rows),
+        count=n_rows,
+    )
+
+
 def mismatch_metrics(
     logp: torch.Tensor,
     logq: torch.Tensor,
@@ -264,41 +311,10 @@ def mismatch_metrics(
         n_fin = int(n_fin_row.sum())
         n_valid_row = valid.sum(-1)
 
-        # token mean
-        tok_ess_raw, tok_n = _ess_rows(d.reshape(1, -1), usable.reshape(1, -1))
         dt = d.clamp(max=math.log(ess_cap)) if ess_cap_low is None else d.clamp(math.log(ess_cap_low), math.log(ess_cap))
-        tok_ess_tr, _ = _ess_rows(dt.reshape(1, -1), usable.reshape(1, -1))
-        has_tok = int(tok_n[0]) > 0
-        token = MismatchReduction(
-            g_abs=_mean_or_nan(absd, n_fin),
-            k1=-_mean_or_nan(df, n_fin),
-            k3=_mean_or_nan(k3_tok, n_fin),
-            ess_raw=float(tok_ess_raw[0]) if has_tok else _NAN,
-            ess_trunc=float(tok_ess_tr[0]) if has_tok else _NAN,
-            count=n_fin,
-        )
-
-        # response mean
-        rows = n_fin_row > 0
-        n_rows = int(rows.sum())
-        denom = n_fin_row.clamp(min=1).double()
-
-        def resp_mean(per_token: torch.Tensor) -> float:
-            per_row = stable_row_mean(per_token, denom)
-            return _mean_or_nan(torch.where(rows, per_row, torch.zeros_like(per_row)), n_rows)
-
-        r_ess_raw, r_n = _ess_rows(d, usable)
-        r_ess_tr, _ = _ess_rows(dt, usable)
-        ess_rows = r_n > 0
-        n_ess_rows = int(ess_rows.sum())
-        response = MismatchReduction(
-            g_abs=resp_mean(absd),
-            k1=-resp_mean(df),
-            k3=resp_mean(k3_tok),
-            ess_raw=_mean_or_nan(torch.where(ess_rows, r_ess_raw, zero), n_ess_rows),
-            ess_trunc=_mean_or_nan(torch.where(ess_rows, r_ess_tr, zero), n_ess_rows),
-            count=n_rows,
-        )
+        token = _token_mean(d, dt, usable, absd, df, k3_tok, n_fin)
+        response = _response_mean(d, dt, usable, absd, df, k3_tok, n_fin_row, zero)
+        n_rows = response.count
 
         return MismatchMetrics(
             token=token,

@@ -395,6 +395,53 @@ def _loss_stats(cfg: LossConfig, loss: torch.Tensor, pg_loss: torch.Tensor, kl_l
     return stats
 
 
+def _check_loss_inputs(logp: torch.Tensor, logp_prox: torch.Tensor | None, logq: torch.Tensor,
+                       logp_ref: torch.Tensor | None, cfg: LossConfig, normalizer: float | None) -> None:
+    """The argument checks of :func:`grpo_loss` (its Raises: bad tensors, beta without ``logp_ref``, bad normalizer)."""
+    check_token_tensor(logp, "logp")
+    shape = logp.shape
+    if logp_prox is not None:
+        check_token_tensor(logp_prox, "logp_prox", shape)
+    check_token_tensor(logq, "logq", shape)
+    if logp_ref is not None:
+        check_token_tensor(logp_ref, "logp_ref", shape)
+    if cfg.beta > 0 and logp_ref is None:
+        raise ValueError(f"cfg.beta={cfg.beta} > 0 needs logp_ref")
+    if normalizer is not None and not (float(normalizer) > 0 and math.isfinite(float(normalizer))):
+        raise ValueError(f"normalizer must be finite and > 0, got {normalizer}")
+
+
+@torch.no_grad()
+def _correction_and_drops(lp: torch.Tensor, lprox: torch.Tensor, lq: torch.Tensor, anchor: torch.Tensor, a: torch.Tensor,
+                          valid: torch.Tensor, cfg: LossConfig, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(c_raw, c_bar, affected, drop, ok)`` of :func:`grpo_loss`, without gradient: the raw and corrected
+    importance weights ``c = p_prox / q`` (``c_bar`` 0 off ``ok``), the tokens the correction changed, the
+    valid tokens dropped (non-finite log-ratio, or an overflowing surrogate term) and the kept ones.
+
+    Raises:
+        ValueError: a dropped token under ``cfg.nonfinite == "raise"`` (names the first).
+    """
+    log_c = torch.where(valid, lprox - lq, zero)
+    log_r0 = torch.where(valid, lp.detach() - anchor, zero)
+    nonfinite = valid & (~torch.isfinite(log_c) | ~torch.isfinite(log_r0))
+    c_raw = torch.exp(torch.where(nonfinite, zero, log_c))
+    c_bar, affected = correction_weights(c_raw, cfg.correction)
+    r0 = torch.exp(torch.where(nonfinite, zero, log_r0))
+    term0 = c_bar * torch.minimum(r0 * a, torch.clamp(r0, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * a)
+    overflow = valid & ~nonfinite & ~torch.isfinite(term0)  # e.g. c or r beyond the dtype's range
+    drop = nonfinite | overflow
+    if cfg.nonfinite == "raise" and bool(drop.any()):
+        idx = tuple(int(i) for i in drop.nonzero()[0])
+        raise ValueError(
+            f"{int(drop.sum())} valid token(s) with a non-finite log-ratio or overflowing ratio "
+            f"(first at {list(idx)}: log c = {float(log_c[idx])}, log r = {float(log_r0[idx])}); "
+            "cfg.nonfinite='raise'"
+        )
+    ok = valid & ~drop
+    c_bar = torch.where(ok, c_bar, zero)
+    return c_raw, c_bar, affected, drop, ok
+
+
 def grpo_loss(
     logp: torch.Tensor,
     logp_prox: torch.Tensor | None,
@@ -444,17 +491,8 @@ def grpo_loss(
     Source: SPEC §5; decoupled PPO as in AReaL ``ppo_actor_loss_fn`` / Miles decoupled TIS.
     """
     cfg = cfg or LossConfig()
-    check_token_tensor(logp, "logp")
+    _check_loss_inputs(logp, logp_prox, logq, logp_ref, cfg, normalizer)
     shape = logp.shape
-    if logp_prox is not None:
-        check_token_tensor(logp_prox, "logp_prox", shape)
-    check_token_tensor(logq, "logq", shape)
-    if logp_ref is not None:
-        check_token_tensor(logp_ref, "logp_ref", shape)
-    if cfg.beta > 0 and logp_ref is None:
-        raise ValueError(f"cfg.beta={cfg.beta} > 0 needs logp_ref")
-    if normalizer is not None and not (float(normalizer) > 0 and math.isfinite(float(normalizer))):
-        raise ValueError(f"normalizer must be finite and > 0, got {normalizer}")
     valid = as_bool_mask(mask, shape).to(logp.device)
     dtype = torch.promote_types(logp.dtype, torch.float32)
     dev = logp.device
@@ -470,27 +508,8 @@ def grpo_loss(
         raise ValueError(f"adv must be finite on valid tokens; adv{list(idx)} = {float(a[idx])}")
     a = torch.where(valid, a, zero)
 
-    coupled = cfg.ratio == "coupled"
-    with torch.no_grad():
-        log_c = torch.where(valid, lprox - lq, zero)
-        anchor = lq if coupled else lprox  # the "old" policy of the PPO ratio
-        log_r0 = torch.where(valid, lp.detach() - anchor, zero)
-        nonfinite = valid & (~torch.isfinite(log_c) | ~torch.isfinite(log_r0))
-        c_raw = torch.exp(torch.where(nonfinite, zero, log_c))
-        c_bar, affected = correction_weights(c_raw, cfg.correction)
-        r0 = torch.exp(torch.where(nonfinite, zero, log_r0))
-        term0 = c_bar * torch.minimum(r0 * a, torch.clamp(r0, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * a)
-        overflow = valid & ~nonfinite & ~torch.isfinite(term0)  # e.g. c or r beyond the dtype's range
-        drop = nonfinite | overflow
-        if cfg.nonfinite == "raise" and bool(drop.any()):
-            idx = tuple(int(i) for i in drop.nonzero()[0])
-            raise ValueError(
-                f"{int(drop.sum())} valid token(s) with a non-finite log-ratio or overflowing ratio "
-                f"(first at {list(idx)}: log c = {float(log_c[idx])}, log r = {float(log_r0[idx])}); "
-                "cfg.nonfinite='raise'"
-            )
-        ok = valid & ~drop
-        c_bar = torch.where(ok, c_bar, zero)
+    anchor = lq if cfg.ratio == "coupled" else lprox  # the "old" policy of the PPO ratio
+    c_raw, c_bar, affected, drop, ok = _correction_and_drops(lp, lprox, lq, anchor, a, valid, cfg, zero)
 
     log_r = torch.where(ok, lp - anchor, zero)  # gradient flows through lp on kept tokens only
     r = torch.exp(log_r)

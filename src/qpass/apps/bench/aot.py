@@ -58,13 +58,8 @@ def _sig(fn, types: dict[str, str], consts: dict[str, object]):
     return sig
 
 
-def variants(lib, full: bool = False):
-    """``(name, fn, signature, constexprs, num_warps, num_stages)`` of the kernels' launch variants.
-
-    ``full``: every config the launchers/autotuners can pick (slow); default: a representative set.
-    """
-    import triton.language as tl
-
+def _quant_variants(lib, tiles: list[tuple[int, int, int, int, int]]):
+    """Variants of the fused NVFP4 quantize kernel (every flag set x tile, per tensor / per row)."""
     q = lib.nvfp4_quant._nvfp4_quant_kernel
     base_q = {"x_ptr": P["bf16"], "amax_ptr": P["f32"], "codes_ptr": P["u8"], "scales_ptr": P["u8"], "xhat_ptr": P["bf16"],
               "bx_ptr": P["bf16"], "senc_ptr": P["f32"], "sdec_ptr": P["f32"], "gamax_bits_ptr": P["i32"],
@@ -81,14 +76,14 @@ def variants(lib, full: bool = False):
         ("quant_rac_token", dict(WRITE_CODES=True, WRITE_XHAT=False, WRITE_GLOBAL=True, SCORES=False, RSTATS=True, RABS=True,
                                  WRITE_BX=True)),
     )
-    tiles = [(16, 128, 4, 4, 3)]
-    if full:
-        tiles = [(c.kwargs["BM"], c.kwargs["BK"], c.kwargs["ROW_ITERS"], c.num_warps, c.kwargs["STAGES"])
-                 for c in lib.nvfp4_quant.big_configs()] + [(bm, 128, 1, 4, 1) for bm in (1, 2, 8, 16)]
     for (name, extra), (bm, bk, ri, nw, st) in itertools.product(flag_sets, tiles):
         for per_row in (False, True):
             c = dict(BM=bm, BK=bk, ROW_ITERS=ri, STAGES=st, PER_ROW=per_row, **extra)
             yield f"{name}[per_row={per_row},bm={bm},bk={bk},ri={ri},w={nw}]", q, _sig(q, base_q, c), c, nw, False
+
+
+def _residual_variants(lib, full: bool, tiles: list[tuple[int, int, int, int, int]]):
+    """Variants of the RAC residual kernels (masked, gathered)."""
     m = lib.rac._residual_masked_kernel
     tm = {"x_ptr": P["bf16"], "amax_x_ptr": P["f32"], "amax_r_ptr": P["f32"], "mask_ptr": P["i8"], "codes_ptr": P["u8"],
           "scales_ptr": P["u8"], "comp_ptr": P["bf16"], "senc_ptr": P["f32"], "sdec_ptr": P["f32"]}
@@ -104,6 +99,10 @@ def variants(lib, full: bool = False):
         c = dict(BM=bm, BKG=128, PER_ROW=per_row, IDX_2D=idx2d, WRITE_CODES=True, WRITE_COMP=True, WRITE_DENSE=idx2d,
                  WRITE_GLOBAL=True, OPERAND=True)
         yield f"residual_gathered[per_row={per_row},idx2d={idx2d},bm={bm}]", g, _sig(g, tg, c), c, 4, False
+
+
+def _amax_variants(lib):
+    """Variants of the amax kernels."""
     a = lib.amax
     ta = {"x_ptr": P["bf16"], "out_bits_ptr": P["i32"], "out_ptr": P["f32"]}
     c = dict(BM=32, BK=256)
@@ -114,6 +113,12 @@ def variants(lib, full: bool = False):
             yield f"amax_rows[bm={bm},global={glob}]", a._amax_rows_kernel, _sig(a._amax_rows_kernel, ta, c), c, 4, False
     c = dict(BLOCK=16384)
     yield "amax_single", a._amax_single_kernel, _sig(a._amax_single_kernel, ta, c), c, 8, False
+
+
+def _gemm_variants(lib, full: bool):
+    """Variants of the NVFP4 GEMM (tile configs x RAC segments x weight decodes; fp32/fp16 inputs)."""
+    import triton.language as tl
+
     gm = lib.nvfp4_gemm._nvfp4_gemm_kernel
     tgm = {"a_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "xs_ptr": P["f32"],
            "a2_ptr": P["bf16"], "gidx_ptr": P["i32"], "rs_ptr": P["f32"], "bias_ptr": P["bf16"], "out_ptr": P["bf16"],
@@ -154,6 +159,12 @@ def variants(lib, full: bool = False):
                      DECODE=dec, PROMOTE_K=small_k, XS=0, RS=0)
             yield (f"gemm_{adt}_input{'[lut]' if dec else ''}", gm, _sig(gm, dict(tgm, a_ptr=P[adt], out_ptr=P[odt]), c),
                    c, 4, 4)
+
+
+def _gemv_variants(lib, full: bool):
+    """Variants of the small-M NVFP4 GEMV."""
+    import triton.language as tl
+
     gv = lib.nvfp4_gemv._nvfp4_gemv_kernel
     tgv = {"x_ptr": P["bf16"], "w_codes_ptr": P["u8"], "w_scales_ptr": P["u8"], "w_sdec_ptr": P["f32"], "xs_ptr": P["f32"],
            "bias_ptr": P["bf16"], "out_ptr": P["bf16"], "ws_ptr": P["f32"]}
@@ -173,6 +184,12 @@ def variants(lib, full: bool = False):
     yield "gemv[bm=1,bn=8,bk=512,w=4,M=1 constexpr]", gv, _sig(gv, tgv, c), c, 4, False
     c = dict(BM=1, BN=8, BK=512, SPLIT_K=1, HAS_BIAS=False, OUT_DTYPE=tl.float32, DECODE=0, X_PAIRS=False, XS=0)
     yield "gemv_f32_input[bm=1,bn=8,bk=512,w=4]", gv, _sig(gv, dict(tgv, x_ptr=P["f32"], out_ptr=P["f32"]), c), c, 4, False
+
+
+def _other_variants(lib, full: bool):
+    """Variants of split-K reduce, FP8 quantize / GEMM, MXFP4 quantize, the probe."""
+    import triton.language as tl
+
     red = lib.nvfp4_gemm._splitk_reduce_kernel
     tred = {"ws_ptr": P["f32"], "bias_ptr": P["bf16"], "w_sdec_ptr": P["f32"], "xs_ptr": P["f32"], "rs_ptr": P["f32"]}
     for odt, tdt in (("bf16", tl.bfloat16), ("f32", tl.float32)):
@@ -198,6 +215,23 @@ def variants(lib, full: bool = False):
     pr = lib.probe._probe_kernel
     c = dict(OP=0, BLOCK=1024)
     yield "probe", pr, _sig(pr, {"x_ptr": P["f32"], "out_ptr": P["f32"]}, c), c, 4, False
+
+
+def variants(lib, full: bool = False):
+    """``(name, fn, signature, constexprs, num_warps, num_stages)`` of the kernels' launch variants.
+
+    ``full``: every config the launchers/autotuners can pick (slow); default: a representative set.
+    """
+    tiles = [(16, 128, 4, 4, 3)]
+    if full:
+        tiles = [(c.kwargs["BM"], c.kwargs["BK"], c.kwargs["ROW_ITERS"], c.num_warps, c.kwargs["STAGES"])
+                 for c in lib.nvfp4_quant.big_configs()] + [(bm, 128, 1, 4, 1) for bm in (1, 2, 8, 16)]
+    yield from _quant_variants(lib, tiles)
+    yield from _residual_variants(lib, full, tiles)
+    yield from _amax_variants(lib)
+    yield from _gemm_variants(lib, full)
+    yield from _gemv_variants(lib, full)
+    yield from _other_variants(lib, full)
 
 
 def compile_variant(fn, sig, consts, num_warps: int, num_stages: int | bool):

@@ -62,6 +62,11 @@ def _problem(t: int, e: int, k_top: int, n: int, k: int, dev: str, seed: int):
     return x.to(torch.bfloat16)[tok].to(dev), offs, wq
 
 
+def _experts(offs, e: int) -> list[tuple[int, int, int]]:
+    """``(expert j, first row, end row)`` of each of the ``e`` experts that got rows (``offs``: ``e + 1`` row offsets)."""
+    return [(j, offs[j], offs[j + 1]) for j in range(e) if offs[j + 1] > offs[j]]
+
+
 def _operands(xs, offs, rac):
     """``(B_X, S_dec_X per row, B_R, S_dec_R per row)`` of every expert segment (SPEC §3.1)."""
     a = torch.empty(xs.shape, dtype=torch.bfloat16, device=xs.device)
@@ -89,10 +94,7 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
 
         def operands_bitexact(a=a, sx=sx, a2=a2, sr=sr, rac=rac):
             bad = 0
-            for j in range(e):
-                lo, hi = offs[j], offs[j + 1]
-                if hi == lo:
-                    continue
+            for j, lo, hi in _experts(offs, e):
                 if rac:
                     r = rac_reference(xs[lo:hi], RAC, NVFP4_ACT)
                     bad += int(not torch.equal(nvfp4_operand(r.qa, torch.bfloat16), a[lo:hi]))
@@ -110,10 +112,7 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
 
         def tiles_independent(out=out, a=a, sx=sx, a2=a2, sr=sr):
             bad = 0
-            for j in range(e):
-                lo, hi = offs[j], offs[j + 1]
-                if hi == lo:
-                    continue
+            for j, lo, hi in _experts(offs, e):
                 alone = torch.empty(hi - lo, n, dtype=torch.float32, device=xs.device)
                 lib.launch_grouped(a[lo:hi].contiguous(), codes[j:j + 1].contiguous(), scales[j:j + 1].contiguous(),
                                    sdec[j:j + 1].contiguous(), [0, hi - lo], alone, xs=sx[lo:hi].contiguous(),
@@ -126,10 +125,7 @@ def check_shape(rep: Report, t: int, e: int, k_top: int, n: int, k: int, dev: st
             worst, worst_ref = 0.0, 0.0
             # float32 input (an exact copy of the bf16 tokens: same quantized bytes) -> float32 output
             ref = grouped_reference(xs.float(), offs, wq, act_spec=NVFP4_ACT, rac=RAC if rac else None)
-            for j in range(e):
-                lo, hi = offs[j], offs[j + 1]
-                if hi == lo:
-                    continue
+            for j, lo, hi in _experts(offs, e):
                 b_w, s_w = nvfp4_operand(wq[j]).double(), wq[j].s_dec.double()
                 exact = (a[lo:hi].double() @ b_w.t()) * (sx[lo:hi].double() * s_w)[:, None]
                 if a2 is not None:
@@ -159,10 +155,8 @@ def bench_shape(rows: list, t: int, e: int, k_top: int, n: int, k: int, dev: str
             torch.mm(xs[lo:hi], w_bf16[j].t())
 
     def per_expert_loop():
-        for j in range(e):
-            lo, hi = offs[j], offs[j + 1]
-            if hi > lo:
-                w4a4_linear_triton(xs[lo:hi], wq[j].codes, wq[j].scales, wq[j].s_dec, act_spec=NVFP4_ACT, rac=RAC)
+        for j, lo, hi in _experts(offs, e):
+            w4a4_linear_triton(xs[lo:hi], wq[j].codes, wq[j].scales, wq[j].s_dec, act_spec=NVFP4_ACT, rac=RAC)
 
     cases = {
         "grouped_gemm_rac_operands_ready": lambda: lib.launch_grouped(a, codes, scales, sdec, offs, out, xs=sx, a2=a2, rs=sr),

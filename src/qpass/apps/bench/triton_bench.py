@@ -40,7 +40,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -377,7 +377,7 @@ def bench_act_quant(res: Results, cal: dict, budget: Budget, m: int = 16384, k: 
 def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: int, n: int, k: int,
                      contenders: tuple[str, ...]) -> None:
     """Time the requested contenders at one (M, N, K) and fill in ratios against bf16/fp8/torch."""
-    from qpass.backends.triton import fp8_linear_triton, no_sync_checks, w4a4_linear_triton, w4a16_linear_triton
+    from qpass.backends.triton import fp8_linear_triton, w4a4_linear_triton, w4a16_linear_triton
     from qpass.formats.spec import FP8_ACT_BLOCK, NVFP4_ACT
     from qpass.quant.linear import w4a4_linear_reference
     from qpass.quant.nvfp4 import nvfp4_operand
@@ -389,7 +389,6 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
             res.add(Row(section, c, m, n, k, mode="skipped (budget)"))
         return
     inp = _gemm_inputs(m, n, k, dev)
-    flops = 2.0 * m * n * k
     out_b = 2 * m * n
     x_b = 2 * m * k
     w4_b = n * k // 2 + n * k // 16
@@ -454,10 +453,23 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
                 res.add(Row(section, name, m, n, k, mode="failed"))
     if "torch chain w4a4 (qpass.quant.linear)" in contenders:
         b_w = nvfp4_operand(w4)
-    times: dict[str, float] = {}
-    rows: dict[str, Row] = {}
     peer_err = {name: {"rel_err_vs_own_dequant": table[name][5]} for name in PEERS if name in table}
     table = {name: t[:5] for name, t in table.items()}
+    times, rows = _time_contenders(res, cal, budget, section, (m, n, k), contenders, table, peer_err)
+    _fill_ratios(rows, times)
+
+
+def _time_contenders(res: Results, cal: dict, budget: Budget, section: str, mnk: tuple[int, int, int],
+                     contenders: tuple[str, ...], table: dict[str, tuple], peer_err: dict[str, dict]) -> tuple[dict, dict]:
+    """Time each contender of ``table`` (``(make, fn, set_bytes, graphs, roofline bytes)``) in
+    ``contenders`` order; ``({name: us}, {name: Row})`` of those timed. A failure or an exhausted
+    budget is a row with that mode."""
+    from qpass.backends.triton import no_sync_checks
+
+    m, n, k = mnk
+    flops = 2.0 * m * n * k
+    times: dict[str, float] = {}
+    rows: dict[str, Row] = {}
     for name in contenders:
         if not budget.ok():
             res.add(Row(section, name, m, n, k, mode="skipped (budget)"))
@@ -476,6 +488,11 @@ def bench_gemm_point(res: Results, cal: dict, budget: Budget, section: str, m: i
         rows[name] = res.add(Row(section, name, m, n, k, time_us=t, mode=mode,
                                  roofline_frac=_roof_us(roof_bytes, flops, cal, fp8="fp8" in name) / t,
                                  extra=dict(peer_err.get(name, {}))))
+    return times, rows
+
+
+def _fill_ratios(rows: dict[str, Row], times: dict[str, float]) -> None:
+    """Each row's speed-up against bf16 cuBLAS, FP8 ``_scaled_mm`` and (Triton rows) the torch chain, where timed."""
     for name, row in rows.items():
         if "bf16 cuBLAS" in times:
             row.vs_bf16 = times["bf16 cuBLAS"] / row.time_us
@@ -739,35 +756,21 @@ def _out_path(out: str) -> Path:
     return p if p.suffix == ".json" else p / "bench.json"
 
 
-def run_full(args) -> Results:
-    import triton
-
-    res = Results()
-    budget = Budget(args.budget_s)
+def _grid_sizes(res: Results) -> tuple:
+    """``(llama, moe, smol shapes, act quant (M, K), decode Ms, prefill M, big prefill M, GEMV Ms)`` of
+    :func:`run_full`: toy sizes in smoke mode, the real ones on CUDA; records the mode and device in ``res.meta``."""
     if SMOKE["on"]:
         res.meta.update(mode="smoke (CPU interpreter, toy sizes, no timings)", device="cpu")
-        llama, moe, smol, act_mk = [(64, 96), (32, 128)], [(48, 32)], [(32, 48)], (64, 128)
-        dec_m, pre_m, big_m = (1, 8), 32, 48
-        gemv_m = (1, 4)
-    else:
-        dev = torch.device("cuda")
-        props = torch.cuda.get_device_properties(dev)
-        res.meta.update(mode="full", device=props.name, sms=props.multi_processor_count)
-        llama, moe, smol, act_mk = LLAMA8B_SHAPES, MOE_SHAPES, SMOLLM_SHAPES, (16384, 4096)
-        dec_m, pre_m, big_m = (1, 16), 4096, 16384
-        gemv_m = (1, 2, 4)
-    e2e_only = bool(getattr(args, "e2e_only", False))
-    gemv_only = bool(getattr(args, "gemv_only", False))
-    reserve = 0.0 if e2e_only or gemv_only else min(float(getattr(args, "e2e_budget_s", 0.0)), args.budget_s)
-    kern_budget = Budget(args.budget_s - reserve)  # the priority kernel steps stop early for the e2e section
-    res.meta.update(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                    budget_s=args.budget_s, e2e_budget_s=reserve, e2e_only=e2e_only)
-    torch.manual_seed(0)
-    t0 = time.monotonic()
-    cal = calibrate(res, budget)
-    res.meta["calibration"] = cal
-    print(f"[bench] calibration {cal} ({time.monotonic() - t0:.1f}s)", flush=True)
+        return [(64, 96), (32, 128)], [(48, 32)], [(32, 48)], (64, 128), (1, 8), 32, 48, (1, 4)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    res.meta.update(mode="full", device=props.name, sms=props.multi_processor_count)
+    return LLAMA8B_SHAPES, MOE_SHAPES, SMOLLM_SHAPES, (16384, 4096), (1, 16), 4096, 16384, (1, 2, 4)
 
+
+def _stepper(res: Results, budget: Budget, args: Any, t0: float) -> Callable[..., None]:
+    """``step(label, fn, *a)`` of :func:`run_full`: runs ``fn(*a)``, records an exception as an error
+    instead of raising, frees the CUDA cache, and saves the partial results after every step."""
     def step(label, fn, *a):
         t = time.monotonic()
         try:
@@ -781,6 +784,60 @@ def run_full(args) -> Results:
         res.meta["complete"] = False
         _targets(res)
         _save(res, args)
+
+    return step
+
+
+def _rest_of_grid(step: Callable[..., None], res: Results, cal: dict, budget: Budget, shapes: tuple, ms: tuple,
+                  peers: tuple[str, ...]) -> None:
+    """The GEMM grid after the end-to-end section (``shapes``: llama, moe, smol; ``ms``: decode Ms,
+    prefill M, big prefill M); the mid-size decode and M=1024 prefill points only off smoke mode."""
+    (llama, moe, smol), (dec_m, pre_m, big_m) = shapes, ms
+    n0, k0 = llama[0]
+    dec = "decode (Llama-8B shapes)"
+    pre = "prefill (Llama-8B shapes)"
+    if not SMOKE["on"]:
+        for m in (8, 32, 64, 128):
+            for n, k in llama:
+                step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k,
+                     ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton") + peers)
+        step("prefill M=1024 torch chain", bench_gemm_point, res, cal, budget, pre, 1024, n0, k0,
+             ("bf16 cuBLAS", "w4a4 triton", "torch chain w4a4 (qpass.quant.linear)"))
+        for n, k in llama[1:]:
+            step(f"prefill M=1024 N={n} K={k}", bench_gemm_point, res, cal, budget, pre, 1024, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+    for n, k in llama:
+        step(f"prefill M={big_m} N={n} K={k}", bench_gemm_point, res, cal, budget, pre, big_m, n, k,
+             ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a4 triton"))
+    for m in (dec_m[-1], pre_m // 4):
+        for n, k in moe:
+            step(f"moe M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "MoE expert shapes", m, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton"))
+    for m in (dec_m[-1], pre_m // 4):
+        for n, k in smol:
+            step(f"smollm M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "SmolLM2-135M shapes", m, n, k,
+                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+
+
+def run_full(args) -> Results:
+    import triton
+
+    res = Results()
+    budget = Budget(args.budget_s)
+    llama, moe, smol, act_mk, dec_m, pre_m, big_m, gemv_m = _grid_sizes(res)
+    e2e_only = bool(getattr(args, "e2e_only", False))
+    gemv_only = bool(getattr(args, "gemv_only", False))
+    reserve = 0.0 if e2e_only or gemv_only else min(float(getattr(args, "e2e_budget_s", 0.0)), args.budget_s)
+    kern_budget = Budget(args.budget_s - reserve)  # the priority kernel steps stop early for the e2e section
+    res.meta.update(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                    budget_s=args.budget_s, e2e_budget_s=reserve, e2e_only=e2e_only)
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    cal = calibrate(res, budget)
+    res.meta["calibration"] = cal
+    print(f"[bench] calibration {cal} ({time.monotonic() - t0:.1f}s)", flush=True)
+
+    step = _stepper(res, budget, args, t0)
 
     base = ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a16 triton", "w4a4 triton", "w4a16 triton [lut decode]",
             "w4a4 triton [lut decode]")
@@ -823,27 +880,7 @@ def run_full(args) -> Results:
         step(f"prefill M={pre_m} N={n} K={k}", bench_gemm_point, res, cal, kern_budget, pre, pre_m, n, k,
              base + extra)
     run_e2e(res, budget, step)  # after the priority kernel items, before the rest of the grid
-    if not SMOKE["on"]:
-        for m in (8, 32, 64, 128):
-            for n, k in llama:
-                step(f"decode M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, dec, m, n, k,
-                     ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton") + peers)
-        step("prefill M=1024 torch chain", bench_gemm_point, res, cal, budget, pre, 1024, n0, k0,
-             ("bf16 cuBLAS", "w4a4 triton", "torch chain w4a4 (qpass.quant.linear)"))
-        for n, k in llama[1:]:
-            step(f"prefill M=1024 N={n} K={k}", bench_gemm_point, res, cal, budget, pre, 1024, n, k,
-                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
-    for n, k in llama:
-        step(f"prefill M={big_m} N={n} K={k}", bench_gemm_point, res, cal, budget, pre, big_m, n, k,
-             ("bf16 cuBLAS", "fp8 _scaled_mm (per-tensor)", "w4a4 triton"))
-    for m in (dec_m[-1], pre_m // 4):
-        for n, k in moe:
-            step(f"moe M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "MoE expert shapes", m, n, k,
-                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton", "w4a4+RAC50 gathered/batch triton"))
-    for m in (dec_m[-1], pre_m // 4):
-        for n, k in smol:
-            step(f"smollm M={m} N={n} K={k}", bench_gemm_point, res, cal, budget, "SmolLM2-135M shapes", m, n, k,
-                 ("bf16 cuBLAS", "w4a16 triton", "w4a4 triton"))
+    _rest_of_grid(step, res, cal, budget, (llama, moe, smol), (dec_m, pre_m, big_m), peers)
     return _finish(res, t0)
 
 

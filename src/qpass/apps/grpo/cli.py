@@ -97,18 +97,10 @@ def _apply_preset(ap: argparse.ArgumentParser, argv: Sequence[str]) -> str | Non
     return known.preset
 
 
-def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
-    """The ``qpass grpo`` argument parser (defaults read from :class:`GRPOConfig` / :class:`LossConfig`:
-    one source of defaults)."""
-    from qpass.apps.grpo.grpo import GRPOConfig
-    from qpass.rl.loss import CORRECTIONS, RATIO_MODES
-    from qpass.rl.task import TASK_PRESETS, TEMPLATES
+def _add_run_args(ap: argparse.ArgumentParser, D: Any) -> None:  # noqa: N803 - D: the GRPOConfig defaults
+    """The ``qpass grpo`` argument group: run: recipe, model, output, device, engines and budgets."""
     from qpass.runtime.cuda_graph import CUDA_GRAPH_MODES
 
-    D = GRPOConfig()  # noqa: N806
-    L, C = D.loss, D.loss.correction  # noqa: N806
-    ap = argparse.ArgumentParser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
-                                 "logs SPEC §4 mismatch diagnostics per step.", formatter_class=DefaultsHelpFormatter)
     g = ap.add_argument_group("run")
     g.add_argument("--recipe", required=True, help="recipe name or YAML path; a comma list runs each (one model load)")
     g.add_argument("--preset", default=None, choices=sorted(GRPO_PRESETS),
@@ -143,11 +135,17 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     add_kernel_tiles(g)
     add_verbose(g)
 
+
+def _add_moe_args(ap: argparse.ArgumentParser) -> None:
+    """The ``qpass grpo`` argument group: MoE routing replay."""
     g = ap.add_argument_group("MoE (--model moe-default or another MoE model)")
     g.add_argument("--routing-replay", default="off", choices=["on", "off"],
                    help="the learner replays the rollout's recorded expert routes in every forward (R3); either way "
                         "every step logs the routing mismatch (routing/...)")
 
+
+def _add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """The ``qpass grpo`` argument group: long runs: checkpoint / resume."""
     g = ap.add_argument_group("long runs (checkpoint / resume)")
     g.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="save the run's state to DIR/<recipe>.ckpt at the end of this command (and every --checkpoint-every steps; "
@@ -158,6 +156,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--segment-steps", type=_pos_int, default=None,
                    help="run at most N steps in this command (chain commands with --resume; default: all remaining)")
 
+
+def _add_sampling_args(ap: argparse.ArgumentParser, D: Any) -> None:  # noqa: N803 - D: the GRPOConfig defaults
+    """The ``qpass grpo`` argument group: sampling (defaults from GRPOConfig)."""
     g = ap.add_argument_group("sampling")
     g.add_argument("--prompts-per-step", type=_pos_int, default=D.prompts_per_step)
     g.add_argument("--group-size", type=_pos_int, default=D.group_size, help="responses per prompt (G)")
@@ -168,6 +169,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
                    help="rollout graph static batch (default: prompts-per-step x group-size, at most 64)")
     g.add_argument("--max-len", type=_pos_int, default=None, help="KV cache length (default: longest prompt + max new tokens)")
 
+
+def _add_optimization_args(ap: argparse.ArgumentParser, D: Any) -> None:  # noqa: N803 - D: the GRPOConfig defaults
+    """The ``qpass grpo`` argument group: optimization (defaults from GRPOConfig)."""
     g = ap.add_argument_group("optimization")
     g.add_argument("--lr", type=_pos_float, default=D.lr)
     g.add_argument("--weight-decay", type=_nonneg_float, default=D.weight_decay)
@@ -177,6 +181,12 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--minibatches", type=_pos_int, default=D.minibatches, help="optimizer steps per epoch")
     g.add_argument("--micro-batch-size", type=_pos_int, default=D.micro_batch_size, help="rows per learner forward (default: batch size)")
 
+
+def _add_loss_args(ap: argparse.ArgumentParser, D: Any) -> None:  # noqa: N803 - D: the GRPOConfig defaults
+    """The ``qpass grpo`` argument group: loss, SPEC §5 (defaults from LossConfig and its Correction)."""
+    from qpass.rl.loss import CORRECTIONS, RATIO_MODES
+
+    L, C = D.loss, D.loss.correction  # noqa: N806
     g = ap.add_argument_group("loss (SPEC §5)")
     g.add_argument("--ratio", default=L.ratio, choices=list(RATIO_MODES),
                    help="decoupled: r = p_theta/p_prox times a correction of p_prox/q; coupled: r = p_theta/q, no correction")
@@ -190,6 +200,11 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--beta", type=_nonneg_float, default=L.beta, help="k3 KL to the initial learner weights")
     g.add_argument("--agg", default=L.agg, choices=["token_mean", "seq_mean"])
     g.add_argument("--mask-truncated", action="store_true", help="exclude responses without EOS from the loss")
+
+
+def _add_task_args(ap: argparse.ArgumentParser) -> None:
+    """The ``qpass grpo`` argument group: task and reward."""
+    from qpass.rl.task import TASK_PRESETS, TEMPLATES
 
     g = ap.add_argument_group("task and reward")
     g.add_argument("--task", default="arithmetic", choices=["arithmetic", *TASK_PRESETS],
@@ -213,6 +228,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
                    "(prompt_meta, response_text) -> float")
     g.add_argument("--format-weight", type=_nonneg_float, default=0.1)
 
+
+def _add_diagnostics_args(ap: argparse.ArgumentParser, D: Any) -> None:  # noqa: N803 - D: the GRPOConfig defaults
+    """The ``qpass grpo`` argument group: checks and diagnostics (defaults from GRPOConfig)."""
     g = ap.add_argument_group("checks and diagnostics")
     g.add_argument("--bitexact-every", type=_nonneg_int, default=D.bitexact_every, help="full bit-exact parity check every N steps (0: last only)")
     g.add_argument("--on-parity-failure", default=D.on_parity_failure, choices=["raise", "warn"])
@@ -228,6 +246,9 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--eval-temperature", type=_nonneg_float, default=D.eval_temperature, help="0 = greedy")
     g.add_argument("--ess-cap", type=_pos_float, default=D.ess_cap)
 
+
+def _add_calibration_args(ap: argparse.ArgumentParser, D: Any) -> None:  # noqa: N803 - D: the GRPOConfig defaults
+    """The ``qpass grpo`` argument group: calibration (static RAC channels / activation scales)."""
     g = ap.add_argument_group("calibration (static RAC channels / activation scales)")
     from qpass.apps.calibrate import add_calibration_arg
 
@@ -235,6 +256,25 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     g.add_argument("--recalibrate", action="store_true", default=D.recalibrate,
                    help="re-calibrate the rollout's static constants from the new weights after every weight sync "
                         "(on the calibration's own tokens; needs --calibration)")
+
+
+def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
+    """The ``qpass grpo`` argument parser (defaults read from :class:`GRPOConfig` / :class:`LossConfig`:
+    one source of defaults)."""
+    from qpass.apps.grpo.grpo import GRPOConfig
+
+    D = GRPOConfig()  # noqa: N806
+    ap = argparse.ArgumentParser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
+                                 "logs SPEC §4 mismatch diagnostics per step.", formatter_class=DefaultsHelpFormatter)
+    _add_run_args(ap, D)
+    _add_moe_args(ap)
+    _add_checkpoint_args(ap)
+    _add_sampling_args(ap, D)
+    _add_optimization_args(ap, D)
+    _add_loss_args(ap, D)
+    _add_task_args(ap)
+    _add_diagnostics_args(ap, D)
+    _add_calibration_args(ap, D)
     return ap
 
 
@@ -360,18 +400,83 @@ def _max_prompt_len(tokenizer: Any, task: Any, template: str) -> int:
     return max(len(x) for x in encode_chat(tokenizer, texts))
 
 
+def _run_config(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, cfg: Any, argv: Sequence[str], build_s: float,
+                calibration: Any) -> dict[str, Any]:
+    """The run's ``config.json`` record (before the engines add theirs)."""
+    return {
+        "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
+        "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
+        "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "template": a.template, "reward": a.reward,
+        "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s}, "kernel_tiles": a.kernel_tiles,
+        "calibration": calibration.summary() if calibration is not None else None,
+    }
+
+
+def _resume(a: argparse.Namespace, trainer: Any, name: str, steps: int) -> tuple[Path | None, int]:
+    """``(checkpoint path or None, the step the run resumes at)``: loads ``--checkpoint-dir/<name>.ckpt``
+    into ``trainer`` under ``--resume``.
+
+    Raises:
+        CliError: only a legacy (pickle) checkpoint exists, or the checkpoint is past ``steps``.
+    """
+    from qpass.apps.grpo.checkpoint import checkpoint_path, legacy_path
+
+    ckpt = checkpoint_path(a.checkpoint_dir, name) if a.checkpoint_dir is not None else None
+    resumed_from = 0
+    if a.resume and ckpt is not None and not ckpt.exists() and legacy_path(ckpt).is_file():
+        raise CliError(f"{name}: {legacy_path(ckpt)} is a checkpoint of an older qpass (a pickle, which qpass "
+                       "does not load: it can run code); convert it with `python -m qpass.apps.grpo.checkpoint "
+                       f"convert {legacy_path(ckpt)}` (reads plain data only), or delete it to start over")
+    if a.resume and ckpt is not None and ckpt.exists():
+        resumed_from = trainer.load_checkpoint(ckpt)
+        print(f"qpass grpo: {name}: resumed at step {resumed_from} from {ckpt}", file=sys.stderr)
+    if resumed_from > steps:
+        raise CliError(f"{name}: the checkpoint {ckpt} is at step {resumed_from}, the run has --steps {steps}")
+    return ckpt, resumed_from
+
+
+def _run_summary(a: argparse.Namespace, name: str, trainer: Any, res: Any, steps: int, resumed_from: int,
+                 ckpt: Path | None) -> dict[str, Any]:
+    """The run's ``summary.json`` record from the trainer's history and this command's result ``res``."""
+    from qpass.diagnostics.collapse import accuracy_collapse_summary, collapse_summary
+
+    rows = trainer.history["metrics"]
+    last = rows[-1] if rows else {}
+    keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
+            "clip/frac", "clip/frac_pos", "clip/frac_neg", "reward/mean", "eval/accuracy", "parity/fp_ok",
+            "parity/bitexact_ok", "vis/code_frac", "calib/amax_ratio_max", "calib/amax_ratio_median")
+    summary = {
+        "recipe": name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
+        "resumed_from_step": resumed_from, "steps_this_command": len(res.rows), "checkpoint": str(ckpt) if ckpt else None,
+        "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
+        "collapse": collapse_summary(trainer.history["eval"], rows),
+        "collapse_accuracy_only": accuracy_collapse_summary(trainer.history["eval"]),
+        "last": {k: last.get(k) for k in keys},
+        "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
+                                                                            "shadow_gap/token/g_abs", "clip/frac",
+                                                                            "clip/frac_pos", "clip/frac_neg",
+                                                                            "loss/clip_pos_frac", "loss/clip_neg_frac")},
+        "reward_failures": trainer.reward.stats(),
+        "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
+        and all(r.get("parity/bitexact_ok", True) for r in rows)
+        and all(r.get("parity/served_ok", True) and r.get("parity/learner_bytes_ok", True) for r in rows)
+        and all(r.get("parity/engine_bitexact_ok", True) for r in rows),
+        "rollout_engine": a.rollout_engine,
+        "engine_bitexact_steps": [r.get("parity/engine_bitexact_ok") for r in rows if "parity/engine_bitexact_ok" in r],
+    }
+    return summary
+
+
 def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: Any, dest: Path, steps: int,
              max_time_s: float | None, argv: Sequence[str], shadow: Any = None, calibration: Any = None,
              prov: dict | None = None) -> dict[str, Any]:
     """Train one recipe into ``dest`` (atomically), resuming from / saving to ``--checkpoint-dir``.
     ``prov``: the command's provenance record (``provenance.json``). Returns the summary."""
-    from qpass.apps.grpo.checkpoint import checkpoint_path, legacy_path
     from qpass.apps.runinfo import kernel_tiles_report, write_provenance
     from qpass.apps.grpo.grpo import GRPOTrainer
     from qpass.apps.grpo.jsonl import write_json_atomic, write_text_atomic
     from qpass.apps.grpo.plots import plot_runs
     from qpass.atomic import atomic_dir
-    from qpass.diagnostics.collapse import accuracy_collapse_summary, collapse_summary
     from qpass.rl.task import REWARDS, TEMPLATES
 
     cfg = _grpo_config(a, steps, max_time_s)
@@ -381,13 +486,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
             t0 = time.perf_counter()
             learner, rollout = pipe.build(recipe, calibration=calibration)
             build_s = time.perf_counter() - t0
-            config = {
-                "recipe": recipe.name, "argv": list(argv), "model": pipe.loaded.name, "model_source": pipe.loaded.source,
-                "device": a.device, "dtype": a.dtype, "kernels": a.kernels, "batch_size": pipe.base_step.captured.batch_size,
-                "max_len": pipe.base_step.captured.max_len, "task": dataclasses.asdict(task.cfg), "template": a.template, "reward": a.reward,
-                "grpo": cfg.to_dict(), "timings": {**pipe.timings, "build_s": build_s}, "kernel_tiles": a.kernel_tiles,
-                "calibration": calibration.summary() if calibration is not None else None,
-            }
+            config = _run_config(a, pipe, recipe, task, cfg, argv, build_s, calibration)
             write_json_atomic(tmp / "config.json", config)
             if prov is not None:
                 write_provenance(tmp, {**prov, "run": {"recipe": recipe.name, "out": str(dest)}})
@@ -410,17 +509,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                                       answer_fn=REWARDS.get(a.reward),
                                       calibration=calibration,
                                       calibration_model=_calibration_model(pipe) if cfg.recalibrate else None)
-                ckpt = checkpoint_path(a.checkpoint_dir, recipe.name) if a.checkpoint_dir is not None else None
-                resumed_from = 0
-                if a.resume and ckpt is not None and not ckpt.exists() and legacy_path(ckpt).is_file():
-                    raise CliError(f"{recipe.name}: {legacy_path(ckpt)} is a checkpoint of an older qpass (a pickle, which qpass "
-                                   "does not load: it can run code); convert it with `python -m qpass.apps.grpo.checkpoint "
-                                   f"convert {legacy_path(ckpt)}` (reads plain data only), or delete it to start over")
-                if a.resume and ckpt is not None and ckpt.exists():
-                    resumed_from = trainer.load_checkpoint(ckpt)
-                    print(f"qpass grpo: {recipe.name}: resumed at step {resumed_from} from {ckpt}", file=sys.stderr)
-                if resumed_from > steps:
-                    raise CliError(f"{recipe.name}: the checkpoint {ckpt} is at step {resumed_from}, the run has --steps {steps}")
+                ckpt, resumed_from = _resume(a, trainer, recipe.name, steps)
 
                 def on_step(row: dict[str, Any]) -> None:
                     if ckpt is not None and a.checkpoint_every and row["step"] % a.checkpoint_every == 0:
@@ -435,29 +524,7 @@ def _run_one(a: argparse.Namespace, pipe: Any, recipe: Any, task: Any, reward: A
                     if ckpt is not None:
                         trainer.save_checkpoint(ckpt)
             rows = trainer.history["metrics"]
-            last = rows[-1] if rows else {}
-            keys = ("gap/token/g_abs", "gap/resp/g_abs", "gap/max_abs", "gap/token/k3", "shadow_gap/token/g_abs",
-                    "clip/frac", "clip/frac_pos", "clip/frac_neg", "reward/mean", "eval/accuracy", "parity/fp_ok",
-                    "parity/bitexact_ok", "vis/code_frac", "calib/amax_ratio_max", "calib/amax_ratio_median")
-            summary = {
-                "recipe": recipe.name, "steps_done": len(rows), "steps_requested": steps, "stop_reason": res.stop_reason,
-                "resumed_from_step": resumed_from, "steps_this_command": len(res.rows), "checkpoint": str(ckpt) if ckpt else None,
-                "wall_s": res.wall_s, "initial": res.initial, "final": res.final,
-                "collapse": collapse_summary(trainer.history["eval"], rows),
-                "collapse_accuracy_only": accuracy_collapse_summary(trainer.history["eval"]),
-                "last": {k: last.get(k) for k in keys},
-                "mean_over_steps": {k: _mean([r.get(k) for r in rows]) for k in ("gap/token/g_abs", "gap/max_abs", "reward/mean",
-                                                                                    "shadow_gap/token/g_abs", "clip/frac",
-                                                                                    "clip/frac_pos", "clip/frac_neg",
-                                                                                    "loss/clip_pos_frac", "loss/clip_neg_frac")},
-                "reward_failures": trainer.reward.stats(),
-                "parity_all_steps_ok": all(r.get("parity/fp_ok") for r in rows)
-                and all(r.get("parity/bitexact_ok", True) for r in rows)
-                and all(r.get("parity/served_ok", True) and r.get("parity/learner_bytes_ok", True) for r in rows)
-                and all(r.get("parity/engine_bitexact_ok", True) for r in rows),
-                "rollout_engine": a.rollout_engine,
-                "engine_bitexact_steps": [r.get("parity/engine_bitexact_ok") for r in rows if "parity/engine_bitexact_ok" in r],
-            }
+            summary = _run_summary(a, recipe.name, trainer, res, steps, resumed_from, ckpt)
             write_json_atomic(tmp / "summary.json", summary)
             write_json_atomic(tmp / "kernel_tiles.json", kernel_tiles_report(a.kernel_tiles, a.kernels))
             if not a.no_plots and rows:
@@ -564,151 +631,209 @@ def grpo_main(argv: Sequence[str] | None = None) -> int:
         return _grpo_main(ap, a, argv_list)
 
 
-def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: list[str]) -> int:
-    """:func:`grpo_main` after the arguments are parsed (inside the progress reporter)."""
-    t_start = time.perf_counter()
+def _check_before_load(a: argparse.Namespace) -> tuple[list[Any], dict[str, Path], Any, Any]:
+    """``(recipes, {recipe name: run directory}, reward, calibration or None)``: every check that needs
+    no model (outputs, flags and their combinations, the calibration file, backends).
+
+    Raises:
+        CliError: the first problem found.
+    """
     from qpass.atomic import check_output_path
     from qpass.errors import QpassError
 
-    try:
-        recipes = _recipes(a.recipe)
-        multi = len(recipes) > 1
-        dests = {r.name: (a.out / r.name if multi else a.out) for r in recipes}
-        for d in dests.values():
-            try:  # symlink, existing without --force/--overwrite, not replaceable: before any work
-                check_output_path(d, force=a.force, marker="summary.json")
-            except QpassError as exc:
-                raise CliError(f"--out: {exc}") from None
-        reward = _load_reward(a.reward, a.format_weight)
-        _grpo_config(a, a.steps, a.max_time_s)  # every value and range, before the model load
-        from qpass.apps.validate import check_grpo_args
-
-        try:  # option combinations, counts against the task, the model reference
-            check_grpo_args(a)
+    recipes = _recipes(a.recipe)
+    multi = len(recipes) > 1
+    dests = {r.name: (a.out / r.name if multi else a.out) for r in recipes}
+    for d in dests.values():
+        try:  # symlink, existing without --force/--overwrite, not replaceable: before any work
+            check_output_path(d, force=a.force, marker="summary.json")
         except QpassError as exc:
-            raise CliError(str(exc)) from None
-        if a.recalibrate and a.calibration is None:
-            raise CliError("--recalibrate needs --calibration CAL (its prompts are what it re-calibrates on)")
-        calibration = None
-        if a.calibration is not None:  # verified before the model load (its model's sha256 after it)
-            from qpass.apps.calibrate import load_for_model
+            raise CliError(f"--out: {exc}") from None
+    reward = _load_reward(a.reward, a.format_weight)
+    _grpo_config(a, a.steps, a.max_time_s)  # every value and range, before the model load
+    from qpass.apps.validate import check_grpo_args
 
-            try:
-                calibration = load_for_model(a.calibration, None)
-            except QpassError as exc:
-                raise CliError(str(exc)) from None
-        if a.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise CliError("--device cuda: no CUDA device is available")
-        from qpass.apps.plugins import load_backends
-        from qpass.errors import QpassError as _QpassError
+    try:  # option combinations, counts against the task, the model reference
+        check_grpo_args(a)
+    except QpassError as exc:
+        raise CliError(str(exc)) from None
+    if a.recalibrate and a.calibration is None:
+        raise CliError("--recalibrate needs --calibration CAL (its prompts are what it re-calibrates on)")
+    calibration = None
+    if a.calibration is not None:  # verified before the model load (its model's sha256 after it)
+        from qpass.apps.calibrate import load_for_model
 
         try:
-            load_backends([a.kernels])  # the one registration path
+            calibration = load_for_model(a.calibration, None)
+        except QpassError as exc:
+            raise CliError(str(exc)) from None
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--device cuda: no CUDA device is available")
+    _check_backends(a)
+    return recipes, dests, reward, calibration
+
+
+def _check_backends(a: argparse.Namespace) -> None:
+    """Load the ``--kernels`` (and a non-default ``--learner``) backend; check ``--routing-replay``.
+
+    Raises:
+        CliError: a backend that does not load, or routing replay without an MoE model / qpass rollout.
+    """
+    from qpass.apps.plugins import load_backends
+    from qpass.errors import QpassError as _QpassError
+
+    try:
+        load_backends([a.kernels])  # the one registration path
+    except (_QpassError, ImportError) as exc:
+        raise CliError(f"--kernels {a.kernels}: {exc}") from exc
+    _check_learner_args(a)
+    if a.routing_replay == "on" and a.model == "default":
+        raise CliError("--routing-replay on needs an MoE model (e.g. --model moe-default); the default model is dense")
+    if a.routing_replay == "on" and a.rollout_engine != "qpass":
+        raise CliError(f"--routing-replay on needs the rollout's recorded routes: --rollout-engine {a.rollout_engine} "
+                       "does not record them (use --rollout-engine qpass)")
+    if a.learner != "qpass":
+        try:
+            load_backends([a.learner])
         except (_QpassError, ImportError) as exc:
-            raise CliError(f"--kernels {a.kernels}: {exc}") from exc
-        _check_learner_args(a)
-        if a.routing_replay == "on" and a.model == "default":
-            raise CliError("--routing-replay on needs an MoE model (e.g. --model moe-default); the default model is dense")
-        if a.routing_replay == "on" and a.rollout_engine != "qpass":
-            raise CliError(f"--routing-replay on needs the rollout's recorded routes: --rollout-engine {a.rollout_engine} "
-                           "does not record them (use --rollout-engine qpass)")
-        if a.learner != "qpass":
+            raise CliError(f"--learner {a.learner}: {exc}") from exc
+
+
+def _grpo_task(a: argparse.Namespace) -> Any:
+    """The ``--task`` (``--difficulty``, ``--operators``, split sizes); fills in ``a.template`` when not given.
+
+    Raises:
+        CliError: ``--operators`` with another task, or a bad preset value.
+    """
+    from qpass.rl.task import KINDS, ArithmeticTask, task_preset
+
+    try:
+        over = {"operators": tuple(a.operators.split(","))} if a.operators else {}
+        if over and a.task != "arithmetic":
+            raise ValueError(f"--operators applies to --task arithmetic only, not {a.task!r}")
+        task = ArithmeticTask(task_preset(a.task, level=a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed, **over))
+    except ValueError as exc:
+        raise CliError(f"task: {exc}") from exc
+    if a.template is None:
+        a.template = KINDS[task.cfg.kind].template
+    return task
+
+
+def _grpo_pipeline(a: argparse.Namespace, task: Any, calibration: Any) -> tuple[Any, Any]:
+    """``(pipeline, BF16 shadow engine or None)``: the model loaded and checked against the flags and
+    the calibration, the static batch and KV length sized for the task's longest prompt.
+
+    Raises:
+        CliError: a learner/MoE/calibration mismatch or a ``--max-len`` that is too short.
+    """
+    from qpass.compiler.pipeline import DTYPES, Pipeline
+    from qpass.errors import QpassError
+    from qpass.graph.model import load_model
+    from qpass.progress import phase
+    from qpass.rl.task import TEMPLATES
+
+    with phase(f"load the model ({a.model})"):
+        lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
+    _check_learner_model(a, lm.model.config)
+    if calibration is not None:
+        try:
+            calibration.check_model(lm.model)
+        except QpassError as exc:
+            raise CliError(f"--calibration: {exc}") from None
+    need = _max_prompt_len(lm.tokenizer, task, TEMPLATES[a.template]) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
+    max_len = a.max_len or int(math.ceil(need / 16) * 16)
+    if max_len < need:
+        raise CliError(f"--max-len {max_len} is shorter than the longest prompt + max new tokens ({need})")
+    batch = a.batch_size or min(a.prompts_per_step * a.group_size, 64)
+    pipe = Pipeline.prepare(a.model, dtype=a.dtype, device=a.device, batch_size=batch, max_len=max_len, loaded=lm)
+    _check_moe_args(a, pipe)
+    shadow = None
+    if not a.no_shadow:  # the BF16 shadow: the bf16 recipe's rollout engine, built once for every recipe
+        from qpass.compiler.recipe import load_recipe
+        from qpass.runtime.engine import make_rollout_engine
+
+        tok = lm.tokenizer
+        eos = tok.eos_token_id if isinstance(tok.eos_token_id, (list, tuple)) else [tok.eos_token_id]
+        shadow = make_rollout_engine("qpass", qg=pipe.build_side(load_recipe("bf16"), "rollout"),
+                                     pad_token_id=int(tok.pad_token_id), eos_token_id=[int(e) for e in eos],
+                                     cuda_graphs=a.cuda_graphs)
+    return pipe, shadow
+
+
+def _train_recipes(a: argparse.Namespace, pipe: Any, task: Any, reward: Any, recipes: list[Any], dests: dict[str, Path],
+                   shadow: Any, calibration: Any, prov: dict, argv_list: list[str],
+                   t_start: float) -> tuple[dict[str, dict], list[str]]:
+    """Run every recipe in turn (``--total-time-s`` split over those left); ``(summaries by recipe,
+    names of the recipes that failed or were skipped)``. With one recipe its error propagates."""
+    from qpass.errors import QpassError
+    from qpass.ops import use_kernels
+
+    multi = len(recipes) > 1
+    summaries: dict[str, dict] = {}
+    failed: list[str] = []
+    with use_kernels(a.kernels):
+        for i, recipe in enumerate(recipes):
+            budget = a.max_time_s
+            if a.total_time_s is not None:
+                left = a.total_time_s - (time.perf_counter() - t_start)
+                share = left / (len(recipes) - i)
+                if share <= 0:
+                    print(f"qpass grpo: total time budget spent; skipping {recipe.name}", file=sys.stderr)
+                    failed.append(recipe.name)
+                    continue
+                budget = share if budget is None else min(budget, share)
             try:
-                load_backends([a.learner])
-            except (_QpassError, ImportError) as exc:
-                raise CliError(f"--learner {a.learner}: {exc}") from exc
+                summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list,
+                                                  shadow, calibration, prov)
+                s = summaries[recipe.name]
+                print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
+                      f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
+                      file=sys.stderr)
+            except (QpassError, ValueError, RuntimeError) as exc:
+                if not multi:
+                    raise
+                failed.append(recipe.name)
+                print(f"qpass grpo: {recipe.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            finally:
+                gc.collect()
+                if a.device == "cuda":
+                    import torch
+
+                    torch.cuda.empty_cache()
+    return summaries, failed
+
+
+def _grpo_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv_list: list[str]) -> int:
+    """:func:`grpo_main` after the arguments are parsed (inside the progress reporter)."""
+    t_start = time.perf_counter()
+    from qpass.errors import QpassError
+
+    try:
+        recipes, dests, reward, calibration = _check_before_load(a)
     except CliError as exc:
         ap.print_usage(sys.stderr)
         print(f"qpass grpo: error: {exc}", file=sys.stderr)
         return 2
 
-    from qpass.graph.model import load_model
-    from qpass.ops import use_kernels
-    from qpass.compiler.pipeline import DTYPES, Pipeline
     from qpass.apps.grpo.plots import plot_runs
-    from qpass.rl.task import KINDS, TEMPLATES, ArithmeticTask, task_preset
 
     if a.threads is not None:
         import torch
 
         torch.set_num_threads(a.threads)
-    failed: list[str] = []
     from qpass.apps.runinfo import kernel_tiles_scope, provenance
 
     prov = provenance(["grpo", *argv_list], device=a.device, kernels=a.kernels, kernel_tiles=a.kernel_tiles)
     scopes = contextlib.ExitStack()  # the Triton tile mode (--kernel-tiles) for the whole command
     scopes.enter_context(kernel_tiles_scope(a.kernel_tiles))
     try:
-        try:
-            over = {"operators": tuple(a.operators.split(","))} if a.operators else {}
-            if over and a.task != "arithmetic":
-                raise ValueError(f"--operators applies to --task arithmetic only, not {a.task!r}")
-            task = ArithmeticTask(task_preset(a.task, level=a.difficulty, n_train=a.n_train, n_eval=a.n_eval, seed=a.seed, **over))
-        except ValueError as exc:
-            raise CliError(f"task: {exc}") from exc
-        if a.template is None:
-            a.template = KINDS[task.cfg.kind].template
-        from qpass.progress import phase
-
-        with phase(f"load the model ({a.model})"):
-            lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
-        _check_learner_model(a, lm.model.config)
-        if calibration is not None:
-            try:
-                calibration.check_model(lm.model)
-            except QpassError as exc:
-                raise CliError(f"--calibration: {exc}") from None
-        need = _max_prompt_len(lm.tokenizer, task, TEMPLATES[a.template]) + max(a.max_new_tokens, a.eval_max_new_tokens or 0)
-        max_len = a.max_len or int(math.ceil(need / 16) * 16)
-        if max_len < need:
-            raise CliError(f"--max-len {max_len} is shorter than the longest prompt + max new tokens ({need})")
-        batch = a.batch_size or min(a.prompts_per_step * a.group_size, 64)
-        pipe = Pipeline.prepare(a.model, dtype=a.dtype, device=a.device, batch_size=batch, max_len=max_len, loaded=lm)
-        _check_moe_args(a, pipe)
-        summaries = {}
-        shadow = None
-        if not a.no_shadow:  # the BF16 shadow: the bf16 recipe's rollout engine, built once for every recipe
-            from qpass.compiler.recipe import load_recipe
-            from qpass.runtime.engine import make_rollout_engine
-
-            tok = lm.tokenizer
-            eos = tok.eos_token_id if isinstance(tok.eos_token_id, (list, tuple)) else [tok.eos_token_id]
-            shadow = make_rollout_engine("qpass", qg=pipe.build_side(load_recipe("bf16"), "rollout"),
-                                         pad_token_id=int(tok.pad_token_id), eos_token_id=[int(e) for e in eos],
-                                         cuda_graphs=a.cuda_graphs)
-        with use_kernels(a.kernels):
-            for i, recipe in enumerate(recipes):
-                budget = a.max_time_s
-                if a.total_time_s is not None:
-                    left = a.total_time_s - (time.perf_counter() - t_start)
-                    share = left / (len(recipes) - i)
-                    if share <= 0:
-                        print(f"qpass grpo: total time budget spent; skipping {recipe.name}", file=sys.stderr)
-                        failed.append(recipe.name)
-                        continue
-                    budget = share if budget is None else min(budget, share)
-                try:
-                    summaries[recipe.name] = _run_one(a, pipe, recipe, task, reward, dests[recipe.name], a.steps, budget, argv_list,
-                                                      shadow, calibration, prov)
-                    s = summaries[recipe.name]
-                    print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
-                          f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
-                          file=sys.stderr)
-                except (QpassError, ValueError, RuntimeError) as exc:
-                    if not multi:
-                        raise
-                    failed.append(recipe.name)
-                    print(f"qpass grpo: {recipe.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                finally:
-                    gc.collect()
-                    if a.device == "cuda":
-                        import torch
-
-                        torch.cuda.empty_cache()
-        if multi and not a.no_plots:
+        task = _grpo_task(a)
+        pipe, shadow = _grpo_pipeline(a, task, calibration)
+        summaries, failed = _train_recipes(a, pipe, task, reward, recipes, dests, shadow, calibration, prov, argv_list, t_start)
+        if len(recipes) > 1 and not a.no_plots:
             done = [dests[n] for n in summaries]
             if done:
                 plot_runs(done, a.out / "overlay.png", title="GRPO: " + ", ".join(summaries))

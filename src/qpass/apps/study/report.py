@@ -187,8 +187,8 @@ PAIR_HEAD = ("| pair | learner | rollout | mean abs d | max abs d | K1 | K3 | ES
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
-def to_markdown(res: dict) -> str:
-    """``study.md``: configuration, tables, invariants, claim verdicts."""
+def _md_setup(res: dict) -> list[str]:
+    """``study.md`` lines: title, configuration and the two scoring modes."""
     cfg, env = res["config"], res["environment"]
     L = [f"# QUADS study: {res['model']['name']}", ""]
     L.append(f"Device `{env['device']}` ({env.get('device_name', '')}), kernels `{cfg['kernels']}` "
@@ -208,6 +208,12 @@ def to_markdown(res: dict) -> str:
              "from the BF16 rollout, not from each configuration's q, so in replay rows K1, K3 and ESS are not the "
              "KL(q||p) / importance-weight estimators SPEC §4 defines (those assume tokens drawn from q; the "
              "on-policy rows are); mean and max |d| are the paired comparison metrics.")
+    return L
+
+
+def _md_operands(res: dict) -> list[str]:
+    """``study.md`` lines: section 1, the rollout operand ablation."""
+    L: list[str] = []
     L += ["", "## 1. Rollout operand ablation (BF16 learner)", "", "Replay (paired):", "", PAIR_HEAD]
     for k in ("floor", "floor_kernel", "op_w4a16", "op_w16a4", "op_w4a4"):
         L.append(_pair_row(res, k))
@@ -218,6 +224,13 @@ def to_markdown(res: dict) -> str:
     for k in ("floor", "op_w4a16", "op_w16a4", "op_w4a4"):
         if res["pairs"][k].get("on_policy"):
             L.append(_pair_row(res, k, on_policy=True))
+    return L
+
+
+def _md_learner_qdq(res: dict) -> list[str]:
+    """``study.md`` lines: section 2, learner-side QDQ."""
+    cfg = res["config"]
+    L: list[str] = []
     L += ["", "## 2. Learner-side QDQ (replay)", "", PAIR_HEAD]
     for k in ("op_w4a16", "qdq_w4a16_wqdq", "op_w16a4", "qdq_w16a4_aqdq", "quads_k0", "sym_w4a4_waqdq"):
         if k in res["pairs"]:
@@ -227,6 +240,13 @@ def to_markdown(res: dict) -> str:
         L += ["", f"Learner-side QDQ on-policy (rollout engine `{cfg.get('rollout_engine', 'qpass')}`: the same sampled "
               "tokens scored by the BF16 and by the weight-QDQ learner):", "", PAIR_HEAD]
         L += [_pair_row(res, k, on_policy=True) for k in on]
+    return L
+
+
+def _md_rac(res: dict) -> list[str]:
+    """``study.md`` lines: section 3, the RAC sweep, its FLOPs and measured time."""
+    cfg = res["config"]
+    L: list[str] = []
     L += ["", "## 3. RAC sweep on the QUADS configuration (weight-QDQ learner, W4A4 rollout + RAC; replay)", ""]
     sweep = res["rac"]["sweep"]
     combos = list(sweep)
@@ -256,6 +276,12 @@ def to_markdown(res: dict) -> str:
             L.append(f"* {shape}: " + ", ".join(f"{k} {_f(v, '.1f')}" for k, v in row.items()))
     else:
         L += ["", f"Time: not measured ({t.get('reason', '')})."]
+    return L
+
+
+def _md_layerwise(res: dict) -> list[str]:
+    """``study.md`` lines: section 4, layer-wise input mismatch (when measured)."""
+    L: list[str] = []
     lw = res.get("layerwise", {})
     if lw.get("summary"):
         L += ["", "## 4. Layer-wise input mismatch: asymmetric W4A16 QAT vs symmetric W4A4 QAT (rollout: plain W4A4)", "",
@@ -267,6 +293,12 @@ def to_markdown(res: dict) -> str:
                 a, y = s["asym"][which], s["sym"][which]
                 L.append(f"| {mode} | {which} | {a['mean_rel']:.4f} | {y['mean_rel']:.4f} | {a['median_rel']:.4f} | "
                          f"{y['median_rel']:.4f} | {s['asym_below_sym_fraction'][which]:.0%} |")
+    return L
+
+
+def _md_checks(res: dict) -> list[str]:
+    """``study.md`` lines: sections 5 and 6, paired comparisons and exact relations."""
+    L: list[str] = []
     L += ["", "## 5. Paired comparisons (difference of mean abs d, a - b, 95% bootstrap CI)", "",
           "| a vs b | diff | lo | hi |", "| --- | ---: | ---: | ---: |"]
     for name, c in res["comparisons"].items():
@@ -274,6 +306,13 @@ def to_markdown(res: dict) -> str:
     L += ["", "## 6. Exact relations checked", ""]
     for name, v in res["invariants"].items():
         L.append(f"* `{name}`: {v}")
+    return L
+
+
+def _md_claims(res: dict) -> list[str]:
+    """``study.md`` lines: section 7, claim verdicts, skipped items, plots."""
+    cfg = res["config"]
+    L: list[str] = []
     L += ["", "## 7. Paper claims (SPEC §2)", ""]
     if cfg["quick"]:
         L += [f"> **{QUICK_NOTE}**", ""]
@@ -288,6 +327,14 @@ def to_markdown(res: dict) -> str:
     if res.get("skipped"):
         L += ["Skipped (reason in parentheses): " + ", ".join(res["skipped"]), ""]
     L += ["Plots: `gap_vs_k.png`, `layerwise.png`, `operand_ablation.png`.", ""]
+    return L
+
+
+def to_markdown(res: dict) -> str:
+    """``study.md``: configuration, tables, invariants, claim verdicts."""
+    L: list[str] = []
+    for section in (_md_setup, _md_operands, _md_learner_qdq, _md_rac, _md_layerwise, _md_checks, _md_claims):
+        L += section(res)
     return "\n".join(L)
 
 

@@ -26,7 +26,7 @@ from qpass.quant.nvfp4 import BLOCK, act_operand_limit
 from qpass.quant.rac import RACConfig
 from qpass.backends.triton._config import sync_checks_enabled
 from qpass.backends.triton._loader import kernel_lib, wants_interpreter
-from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, fp8_quantize_triton, raise_if_nonfinite
+from qpass.backends.triton.quantize import amax_and_bits, as_rows, check_shape, fp8_quantize_triton, raise_if_nonfinite
 from qpass.backends.triton.rac import rac_run
 
 
@@ -188,12 +188,7 @@ def _act_quant_operand(x2: torch.Tensor, act_spec: NVFP4Spec, site: str | None) 
     """``(B_X, S_dec_X)`` of ``Q_A(x2)`` (SPEC §3.1): bf16 ``[M, K]`` ``e2m1 * s_b`` (exact) and float32
     ``[1]`` (per tensor) or ``[M]`` (per token), from one amax pass and one fused quantize pass."""
     per_row = act_spec.global_scope == "per_token"
-    if per_row:
-        amax, _ = amax_rows(x2, need_global=False)
-        gbits = amax.view(torch.int32)
-    else:
-        gbits = amax_bits_tensor(x2)
-        amax = gbits.view(torch.float32)
+    amax, gbits = amax_and_bits(x2, per_row)
     if sync_checks_enabled(x2.device):
         raise_if_nonfinite(gbits, x2, "nvfp4_quantize", "activation", site)
     b_x = torch.empty(x2.shape, dtype=torch.bfloat16, device=x2.device)

@@ -54,6 +54,16 @@ def amax_rows(x2: torch.Tensor, need_global: bool = True) -> tuple[torch.Tensor,
     return rows, gbits
 
 
+def amax_and_bits(x2: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax float32, bits int32)`` of ``x2 [R, K]``, one view of the other: per row (``[R]``) or
+    over the whole tensor (``[1]``). Non-finite input shows as bits >= 0x7F800000."""
+    if per_row:
+        amax, _ = amax_rows(x2, need_global=False)
+        return amax, amax.view(torch.int32)
+    gbits = amax_bits_tensor(x2)
+    return gbits.view(torch.float32), gbits
+
+
 def raise_if_nonfinite(bits: torch.Tensor, x: torch.Tensor, op: str, name: str | None, site: str | None) -> None:
     """Raise :class:`QuantizationError` if an amax bit pattern says the input held NaN/inf (syncs)."""
     if bool((bits >= _NONFINITE_BITS).any()):
@@ -118,12 +128,7 @@ def nvfp4_quantize_triton(
     dev = x2.device
     lib = kernel_lib(dev)
     if amax is None:
-        if per_row:
-            amax_k, _ = amax_rows(x2, need_global=False)
-            gbits = amax_k.view(torch.int32)
-        else:
-            gbits = amax_bits_tensor(x2)
-            amax_k = gbits.view(torch.float32)
+        amax_k, gbits = amax_and_bits(x2, per_row)
         if check:
             raise_if_nonfinite(gbits, x, "nvfp4_quantize", name, site)
     else:
@@ -137,12 +142,7 @@ def nvfp4_quantize_triton(
         if check:
             if not bool(torch.isfinite(amax_t).all()) or bool((amax_t < 0).any()):
                 raise QuantizationError(f"amax must be finite and >= 0, got {amax_t.flatten()[:4].tolist()} for {describe(name, site)}")
-            if per_row:
-                actual, _ = amax_rows(x2, need_global=False)
-                gbits = actual.view(torch.int32)
-            else:
-                gbits = amax_bits_tensor(x2)
-                actual = gbits.view(torch.float32)
+            actual, gbits = amax_and_bits(x2, per_row)
             raise_if_nonfinite(gbits, x, "nvfp4_quantize", name, site)
             if bool((amax_k < actual).any()):
                 raise QuantizationError(

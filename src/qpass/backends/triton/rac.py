@@ -31,7 +31,7 @@ from qpass.quant.nvfp4 import BLOCK, NVFP4Tensor, act_operand_limit
 from qpass.quant.rac import RACConfig, RACResult, ceil16, topk_channels
 from qpass.backends.triton._config import sync_checks_enabled
 from qpass.backends.triton._loader import kernel_lib
-from qpass.backends.triton.quantize import amax_bits_tensor, amax_rows, as_rows, check_shape, raise_if_nonfinite
+from qpass.backends.triton.quantize import amax_and_bits, amax_rows, as_rows, check_shape, raise_if_nonfinite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,104 @@ def _nvt(codes, scales, s_enc, s_dec, amax, shape, dtype, spec, per_row) -> NVFP
         codes=codes, scales=scales.view(torch.float8_e4m3fn), s_dec=s_dec.reshape(gshape), s_enc=s_enc.reshape(gshape),
         amax=None if amax is None else amax.reshape(gshape), shape=torch.Size(shape), orig_dtype=dtype, spec=spec,
     )
+
+
+def _channels_and_count(cfg: RACConfig, kd: int, dev: torch.device, static_channels: torch.Tensor | None, k: int | None,
+                        checks: bool, site: str | None) -> tuple[torch.Tensor | None, int]:
+    """``(sorted static channels int64 or None, channel count k)``; ``k`` defaults to ``cfg.num_channels(kd)``.
+
+    Raises:
+        QuantizationError: static selection without channels, static channels out of ``[0, kd)``
+            (with ``checks``), or ``k == 0``.
+    """
+    ch = None
+    if cfg.selection == "static":
+        if static_channels is None:
+            raise QuantizationError(f"RAC selection 'static' needs calibrated channels at site {site}")
+        ch = torch.sort(static_channels.to(device=dev, dtype=torch.int64)).values
+        if checks and ch.numel() and (int(ch.min()) < 0 or int(ch.max()) >= kd):
+            raise QuantizationError(f"static RAC channels out of range [0, {kd}) at site {site}")
+        k = ch.numel()
+    elif k is None:
+        k = cfg.num_channels(kd)
+    if k == 0:
+        raise QuantizationError(f"RAC with 0 channels at site {site}: use plain W4A4")
+    return ch, k
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What one :func:`rac_run` call fixed before its residual pass (``x2 [M, K]``, the outputs it wants)."""
+
+    x2: torch.Tensor
+    act_spec: NVFP4Spec
+    per_row: bool
+    parity: bool
+    want_bytes: bool
+    want_ops: bool
+    lim: float
+    lib: object
+
+    def empty(self, *shape: int, dtype: torch.dtype, want: bool = True) -> torch.Tensor | None:
+        """An uninitialized buffer on the input's device (None when not ``want``)."""
+        return torch.empty(*shape, dtype=dtype, device=self.x2.device) if want else None
+
+
+def _residual_masked(r: _Run, ch: torch.Tensor, amax_x: torch.Tensor, rcolmax: torch.Tensor | None,
+                     rrowmax: torch.Tensor | None) -> tuple:
+    """Masked residual pass (all of ``R``, then the channel mask): ``(qr or None, comp, B_R, None, S_dec_R)``."""
+    (m, kd), dev, per_row, n_glob = r.x2.shape, r.x2.device, r.per_row, r.x2.shape[0] if r.per_row else 1
+    if ch.dim() == 1:
+        mask = torch.zeros(kd, dtype=torch.int8, device=dev).index_fill_(0, ch, 1)
+    else:
+        mask = torch.zeros(m, kd, dtype=torch.int8, device=dev).scatter_(1, ch, 1)
+    amax_r = rrowmax.view(torch.float32) if per_row else rcolmax.amax().reshape(1).view(torch.float32)
+    comp = r.empty(m, kd, dtype=torch.bfloat16, want=r.want_ops)
+    qr_codes = r.empty(m, kd // 2, dtype=torch.uint8, want=r.want_bytes)
+    qr_scales = r.empty(m, kd // BLOCK, dtype=torch.uint8, want=r.want_bytes)
+    qr_senc = r.empty(n_glob, dtype=torch.float32)
+    qr_sdec = r.empty(n_glob, dtype=torch.float32)
+    r.lib.rac.launch_residual_masked(
+        r.x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec,
+        xhat_lim=r.lim, operand=not r.parity,
+    )
+    qr = None
+    if r.want_bytes:
+        qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, amax_r.clone(), (m, kd), torch.float32, r.act_spec, per_row)
+    return qr, comp, comp, None, qr_sdec
+
+
+def _residual_gathered(r: _Run, ch: torch.Tensor, k: int, qa_codes: torch.Tensor, qa_scales: torch.Tensor,
+                       qa_sdec: torch.Tensor, rcolmax: torch.Tensor | None, rabs: torch.Tensor | None) -> tuple:
+    """Gathered residual pass (the selected channels as their own blocks): ``(qr or None, comp, B_R,
+    gather index int32 or None (B_R dense), S_dec_R, gather index int64)``."""
+    (m, kd), dev, per_row, n_glob = r.x2.shape, r.x2.device, r.per_row, r.x2.shape[0] if r.per_row else 1
+    kp = max(ceil16(k), BLOCK)
+    idx = torch.full((*ch.shape[:-1], kp), -1, dtype=torch.int32, device=dev)
+    idx[..., :k] = ch
+    if per_row:
+        amax_g = None  # the kernel sweeps each row's own channels first
+    elif ch.dim() == 1:
+        amax_g = rcolmax.view(torch.float32).index_select(0, ch).amax().reshape(1)
+    else:  # token selection, per-tensor residual scale: max |R| over each row's own channels
+        amax_g = torch.gather(rabs, 1, ch).amax().reshape(1)
+    comp_g = r.empty(m, kp, dtype=torch.bfloat16, want=r.want_ops)
+    dense = torch.zeros(m, kd, dtype=torch.bfloat16, device=dev) if ch.dim() == 2 and r.want_ops else None
+    qr_codes = r.empty(m, kp // 2, dtype=torch.uint8, want=r.want_bytes)
+    qr_scales = r.empty(m, kp // BLOCK, dtype=torch.uint8, want=r.want_bytes)
+    qr_senc = r.empty(n_glob, dtype=torch.float32)
+    qr_sdec = r.empty(n_glob, dtype=torch.float32)
+    r.lib.rac.launch_residual_gathered(
+        r.x2, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row,
+        codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec, xhat_lim=r.lim,
+        operand=not r.parity,
+    )
+    gemm_comp, gidx = (dense, None) if dense is not None else (comp_g, idx)
+    qr = None
+    if r.want_bytes:
+        qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, None if amax_g is None else amax_g.clone(), (m, kp),
+                  torch.float32, r.act_spec, per_row)
+    return qr, comp_g, gemm_comp, gidx, qr_sdec, idx.to(torch.int64)
 
 
 def rac_run(
@@ -115,24 +213,10 @@ def rac_run(
     sel = cfg.selection
     gathered = cfg.mode == "gathered"
 
-    if sel == "static":
-        if static_channels is None:
-            raise QuantizationError(f"RAC selection 'static' needs calibrated channels at site {site}")
-        ch = torch.sort(static_channels.to(device=dev, dtype=torch.int64)).values
-        if checks and ch.numel() and (int(ch.min()) < 0 or int(ch.max()) >= kd):
-            raise QuantizationError(f"static RAC channels out of range [0, {kd}) at site {site}")
-        k = ch.numel()
-    elif k is None:
-        k = cfg.num_channels(kd)
-    if k == 0:
-        raise QuantizationError(f"RAC with 0 channels at site {site}: use plain W4A4")
+    ch, k = _channels_and_count(cfg, kd, dev, static_channels, k, checks, site)
 
     # 1. amax
-    if per_row:
-        amax_x, gbits = amax_rows(x2)
-    else:
-        gbits = amax_bits_tensor(x2)
-        amax_x = gbits.view(torch.float32)
+    amax_x, gbits = amax_rows(x2) if per_row else amax_and_bits(x2, False)
     if checks:
         raise_if_nonfinite(gbits, x, "nvfp4_quantize", "activation", site)
 
@@ -167,53 +251,13 @@ def rac_run(
         ch = topk_channels(rabs, k)
 
     # 4. residual quantization
-    qr = None
-    gather_index = None
+    r = _Run(x2, act_spec, per_row, parity, want_bytes, want_ops, lim, lib)
     if not gathered:
-        if ch.dim() == 1:
-            mask = torch.zeros(kd, dtype=torch.int8, device=dev).index_fill_(0, ch, 1)
-        else:
-            mask = torch.zeros(m, kd, dtype=torch.int8, device=dev).scatter_(1, ch, 1)
-        amax_r = rrowmax.view(torch.float32) if per_row else rcolmax.amax().reshape(1).view(torch.float32)
-        comp = torch.empty(m, kd, dtype=torch.bfloat16, device=dev) if want_ops else None
-        qr_codes = torch.empty(m, kd // 2, dtype=torch.uint8, device=dev) if want_bytes else None
-        qr_scales = torch.empty(m, kd // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
-        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
-        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
-        lib.rac.launch_residual_masked(
-            x2, amax_x, amax_r, per_row, mask, codes=qr_codes, scales=qr_scales, comp=comp, s_enc=qr_senc, s_dec=qr_sdec,
-            xhat_lim=lim, operand=not parity,
-        )
-        gemm_comp, gidx = comp, None
-        if want_bytes:
-            qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, amax_r.clone(), (m, kd), torch.float32, act_spec, per_row)
+        qr, comp, gemm_comp, gidx, qr_sdec = _residual_masked(r, ch, amax_x, rcolmax, rrowmax)
+        gather_index = None
     else:
-        kp = max(ceil16(k), BLOCK)
-        idx = torch.full((*ch.shape[:-1], kp), -1, dtype=torch.int32, device=dev)
-        idx[..., :k] = ch
-        if per_row:
-            amax_g = None  # the kernel sweeps each row's own channels first
-        elif ch.dim() == 1:
-            amax_g = rcolmax.view(torch.float32).index_select(0, ch).amax().reshape(1)
-        else:  # token selection, per-tensor residual scale: max |R| over each row's own channels
-            amax_g = torch.gather(rabs, 1, ch).amax().reshape(1)
-        comp_g = torch.empty(m, kp, dtype=torch.bfloat16, device=dev) if want_ops else None
-        dense = torch.zeros(m, kd, dtype=torch.bfloat16, device=dev) if ch.dim() == 2 and want_ops else None
-        qr_codes = torch.empty(m, kp // 2, dtype=torch.uint8, device=dev) if want_bytes else None
-        qr_scales = torch.empty(m, kp // BLOCK, dtype=torch.uint8, device=dev) if want_bytes else None
-        qr_senc = torch.empty(n_glob, dtype=torch.float32, device=dev)
-        qr_sdec = torch.empty(n_glob, dtype=torch.float32, device=dev)
-        lib.rac.launch_residual_gathered(
-            x2, qa_codes, qa_scales, qa_sdec, idx, amax_g, per_row,
-            codes=qr_codes, scales=qr_scales, comp=comp_g, dense=dense, s_enc=qr_senc, s_dec=qr_sdec, xhat_lim=lim,
-            operand=not parity,
-        )
-        gemm_comp, gidx = (dense, None) if dense is not None else (comp_g, idx)
-        comp = comp_g
-        gather_index = idx.to(torch.int64)
-        if want_bytes:
-            qr = _nvt(qr_codes, qr_scales, qr_senc, qr_sdec, None if amax_g is None else amax_g.clone(), (m, kp),
-                      torch.float32, act_spec, per_row)
+        qr, comp, gemm_comp, gidx, qr_sdec, gather_index = _residual_gathered(r, ch, k, qa_codes, qa_scales, qa_sdec,
+                                                                              rcolmax, rabs)
 
     result = None
     if want_bytes:

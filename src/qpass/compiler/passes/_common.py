@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
+import pydantic
 import torch
 
 from qpass.graph.qgraph import QGraph
 from qpass.graph.sites import LINEAR_TARGETS, Site, groups_of, select_sites
-from qpass.compiler.manager import PassOptions
+from qpass.compiler.manager import Cleanup, Pass, PassOptions, Rewrites
+from qpass.formats.spec import QuantSpec
+from qpass.tables import entry
 
 
 def reject_foreign_options(opts: PassOptions, owners: dict[str, tuple[str, str]]) -> None:
@@ -27,6 +31,35 @@ def reject_foreign_options(opts: PassOptions, owners: dict[str, tuple[str, str]]
             raise ValueError(f"{name} is an {owner.upper()} option; format {fmt!r} {instead}")
 
 
+class FormatOptions(PassOptions):
+    """Options of a pass with a ``format`` field, some of whose options belong to one format each.
+
+    ``FOREIGN`` is the :func:`reject_foreign_options` table of the subclass; setting an option the
+    chosen format does not own fails validation (``ValueError``, wrapped by pydantic).
+    """
+
+    FOREIGN: ClassVar[dict[str, tuple[str, str]]] = {}
+
+    @pydantic.model_validator(mode="after")
+    def _options_of_the_format(self) -> "FormatOptions":
+        reject_foreign_options(self, self.FOREIGN)
+        return self
+
+
+class QDQPass(Pass):
+    """A learner-side QDQ pass (``act_qdq``, ``weight_qdq``): the contract both declare, and the table
+    entries of the spec their options name. Subclasses set ``name``, ``Options``, ``sides``, ``ensures``."""
+
+    requires = ("sites_stamped",)
+    mutation = "in_place"
+    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
+
+    def entries(self) -> tuple[QuantSpec, object, int]:
+        """``(spec, its learner_qdq table entry, the K multiple its rollout lowering needs)``."""
+        spec = self.options.spec()
+        return spec, entry("learner_qdq", spec), entry("rollout_lower", spec).k_multiple
+
+
 def selected(qg: QGraph, opts: PassOptions, *, need_nvfp4: bool = False) -> tuple[list[Site], list[tuple[str, str]]]:
     """Sites matching ``opts.targets``/``opts.exclude``; those NVFP4 cannot encode go to ``skipped``."""
     sites = select_sites(qg.sites.values(), opts.targets, opts.exclude)
@@ -35,6 +68,28 @@ def selected(qg: QGraph, opts: PassOptions, *, need_nvfp4: bool = False) -> tupl
         skipped = [(s.id, f"in_features={s.in_features} is not a multiple of 16") for s in sites if not s.nvfp4_ok]
         sites = [s for s in sites if s.nvfp4_ok]
     return sites, skipped
+
+
+def k_aligned(sites: Sequence[Site], k_multiple: int, out: Rewrites) -> list[Site]:
+    """The sites whose ``in_features`` is a multiple of ``k_multiple``; each other one is skipped on ``out``."""
+    ok = []
+    for s in sites:
+        if s.in_features % k_multiple:
+            out.skip(s.id, f"in_features={s.in_features} is not a multiple of {k_multiple}")
+        else:
+            ok.append(s)
+    return ok
+
+
+def with_linear_nodes(qg: QGraph, members: Sequence[Site], out: Rewrites,
+                      done: str) -> tuple[list[Site], dict[str, list[torch.fx.Node]]]:
+    """``(members that still have an unrewritten aten.linear node, {site id: those nodes})``; each
+    member without one is skipped on ``out`` as ``"no unrewritten aten.linear node (already <done>?)"``."""
+    nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
+    for s in members:
+        if not nodes[s.id]:
+            out.skip(s.id, f"no unrewritten aten.linear node (already {done}?)")
+    return [s for s in members if nodes[s.id]], nodes
 
 
 def grouped(sites: Sequence[Site]) -> dict[str, list[Site]]:

@@ -48,7 +48,7 @@ from qpass.progress import track
 from qpass.quant.weights import quantize_site_weights
 from qpass.tables import entry
 
-from qpass.compiler.passes._common import aten_linear_nodes, bias_arg, copy_meta, grouped, selected
+from qpass.compiler.passes._common import bias_arg, copy_meta, grouped, k_aligned, selected, with_linear_nodes
 
 
 def constant_name(site_id: str, name: str) -> str:
@@ -74,22 +74,13 @@ class LinearLower(Pass):
         op = lo.op_overload()
         sites, skipped = selected(qg, self.options)
         out = Rewrites(skipped=skipped)
-        ok = []
-        for s in sites:
-            if s.in_features % lo.k_multiple:
-                out.skip(s.id, f"in_features={s.in_features} is not a multiple of {lo.k_multiple}")
-            else:
-                ok.append(s)
+        ok = k_aligned(sites, lo.k_multiple, out)
         groups = grouped(ok) if wspec.has_global_scale else {s.id: [s] for s in ok}
         act_amax = self._static_amax(groups, aspec, ctx)
         g = qg.gm.graph
         flushed: dict[str, int] = {}
         for gid, members in track(groups.items(), f"{self.name}: quantize and lower", unit="group"):
-            nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
-            for s in members:
-                if not nodes[s.id]:
-                    out.skip(s.id, "no unrewritten aten.linear node (already lowered?)")
-            members = [s for s in members if nodes[s.id]]
+            members, nodes = with_linear_nodes(qg, members, out, "lowered")
             if not members:
                 continue
             weights = {s.id: qg.attr(str(nodes[s.id][0].args[1].target)).detach() for s in members}

@@ -16,29 +16,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import pydantic
 import torch
 
 from qpass.formats.spec import FP8Spec, Granularity, QuantSpec, nvfp4_act_spec_of
 from qpass.graph.qgraph import QGraph, learner_linear_targets
 from qpass.graph.records import SiteQuant
 from qpass.graph.sites import LINEAR_TARGETS
-from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites, register_pass
+from qpass.compiler.manager import PassContext, Rewrites, register_pass
 from qpass.quant import qdq  # noqa: F401
-from qpass.tables import entry
 
-from qpass.compiler.passes._common import copy_meta, reject_foreign_options, selected
+from qpass.compiler.passes._common import FormatOptions, QDQPass, copy_meta, selected
 
 
-class ActQDQOptions(PassOptions):
+class ActQDQOptions(FormatOptions):
+    FOREIGN = {"per_token": ("nvfp4", "uses granularity"), "granularity": ("fp8", "has none")}
+
     format: Literal["nvfp4", "fp8"] = "nvfp4"
     per_token: bool = False  # nvfp4: one dynamic global scale per row
     granularity: Literal["block_1x128", "per_token", "per_tensor"] = "block_1x128"  # fp8: the activation scales
-
-    @pydantic.model_validator(mode="after")
-    def _options_of_the_format(self) -> "ActQDQOptions":
-        reject_foreign_options(self, {"per_token": ("nvfp4", "uses granularity"), "granularity": ("fp8", "has none")})
-        return self
 
     def spec(self) -> QuantSpec:
         """The activation spec these options name."""
@@ -48,21 +43,16 @@ class ActQDQOptions(PassOptions):
 
 
 @register_pass
-class ActQDQ(Pass):
+class ActQDQ(QDQPass):
     """Insert dynamic activation QDQ (the spec's ``learner_qdq`` op) before targeted linears (learner or rollout)."""
 
     name = "act_qdq"
     Options = ActQDQOptions
     sides = ("learner", "rollout")
-    requires = ("sites_stamped",)
     ensures = ("act_qdq",)
-    mutation = "in_place"
-    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
     def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
-        spec = self.options.spec()
-        lq = entry("learner_qdq", spec)
-        k_multiple = entry("rollout_lower", spec).k_multiple
+        spec, lq, k_multiple = self.entries()
         op = lq.overload("activation")
         sites, skipped = selected(qg, self.options)
         out = Rewrites(skipped=skipped)

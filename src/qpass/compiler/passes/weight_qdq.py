@@ -30,29 +30,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-import pydantic
 import torch
 
 from qpass.formats.spec import FP8Spec, Granularity, MXFP4_WEIGHT, QuantSpec, nvfp4_weight_spec
 from qpass.graph.qgraph import QGraph
 from qpass.graph.records import SiteQuant
-from qpass.compiler.manager import Cleanup, Pass, PassContext, PassOptions, Rewrites, register_pass
+from qpass.compiler.manager import PassContext, Rewrites, register_pass
 from qpass.quant import qdq  # noqa: F401 - registers the ops
-from qpass.tables import entry
 
-from qpass.compiler.passes._common import (aten_linear_nodes, bias_arg, copy_meta, graph_order, grouped,
-                                           reject_foreign_options, selected)
+from qpass.compiler.passes._common import (FormatOptions, QDQPass, bias_arg, copy_meta, graph_order, grouped, k_aligned,
+                                           selected, with_linear_nodes)
 
 
-class WeightQDQOptions(PassOptions):
+class WeightQDQOptions(FormatOptions):
+    FOREIGN = {"arithmetic": ("nvfp4", "has none"), "granularity": ("fp8", "has none")}
+
     format: Literal["nvfp4", "fp8", "mxfp4"] = "nvfp4"
     arithmetic: Literal["te_reference", "modelopt"] = "te_reference"  # nvfp4: NVFP4Spec.arithmetic; the rollout lowering must match
     granularity: Literal["block_128x128", "per_tensor"] = "block_128x128"  # fp8: the weight scales (fp8_lower's weight_granularity)
-
-    @pydantic.model_validator(mode="after")
-    def _options_of_the_format(self) -> "WeightQDQOptions":
-        reject_foreign_options(self, {"arithmetic": ("nvfp4", "has none"), "granularity": ("fp8", "has none")})
-        return self
 
     def spec(self) -> QuantSpec:
         """The weight spec these options name."""
@@ -64,39 +59,25 @@ class WeightQDQOptions(PassOptions):
 
 
 @register_pass
-class WeightQDQ(Pass):
+class WeightQDQ(QDQPass):
     """Insert the weight spec's STE weight-QDQ linear on every targeted linear (learner)."""
 
     name = "weight_qdq"
     Options = WeightQDQOptions
     sides = ("learner",)
-    requires = ("sites_stamped",)
     ensures = ("weight_qdq",)
-    mutation = "in_place"
-    cleanup = Cleanup.TIDY  # the manager lints and recompiles after the rewrite
 
     def run(self, qg: QGraph, ctx: PassContext) -> Rewrites:
-        spec = self.options.spec()
-        lq = entry("learner_qdq", spec)
-        k_multiple = entry("rollout_lower", spec).k_multiple
+        spec, lq, k_multiple = self.entries()
         sites, skipped = selected(qg, self.options)
         out = Rewrites(skipped=skipped)
-        ok = []
-        for s in sites:
-            if s.in_features % k_multiple:
-                out.skip(s.id, f"in_features={s.in_features} is not a multiple of {k_multiple}")
-            else:
-                ok.append(s)
+        ok = k_aligned(sites, k_multiple, out)
         g = qg.gm.graph
         order = graph_order(qg)
         op = lq.overload("linear")
         groups = grouped(ok) if spec.has_global_scale else {s.id: [s] for s in ok}
         for gid, members in groups.items():
-            nodes = {s.id: aten_linear_nodes(qg, s.id) for s in members}
-            for s in members:
-                if not nodes[s.id]:
-                    out.skip(s.id, "no unrewritten aten.linear node (already quantized?)")
-            members = [s for s in members if nodes[s.id]]
+            members, nodes = with_linear_nodes(qg, members, out, "quantized")
             if not members:
                 continue
             amax = None
