@@ -59,6 +59,17 @@ def exhaustive(dtype: torch.dtype) -> dict:
     return {"dtype": str(dtype), "elements": n * k, "mismatches": bad, "first_mismatch": first}
 
 
+def budgeted(points, budget_s: float, rows: list, label):
+    """The points that start before ``budget_s`` seconds have passed; each later one gets a
+    ``{..., "skipped": "budget"}`` row (``label(point)`` gives its identifying keys)."""
+    t_end = time.monotonic() + budget_s
+    for pt in points:
+        if time.monotonic() > t_end:
+            rows.append({**label(pt), "skipped": "budget"})
+            continue
+        yield pt
+
+
 def _random_weight(n: int, k: int, dev, gen):
     from qpass.quant.nvfp4 import nvfp4_quantize
 
@@ -279,12 +290,8 @@ def prefill_timings(shapes, m: int, budget_s: float) -> list[dict]:
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(2)
-    t_end = time.monotonic() + budget_s
     rows = []
-    for (n, k) in shapes:
-        if time.monotonic() > t_end:
-            rows.append({"shape": [m, n, k], "skipped": "budget"})
-            continue
+    for (n, k) in budgeted(shapes, budget_s, rows, lambda nk: {"shape": [m, *nk]}):
         w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         q = nvfp4_quantize(w)
@@ -472,12 +479,8 @@ def act_sweep(points, budget_s: float) -> list[dict]:
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)
-    t_end = time.monotonic() + budget_s
     rows = []
-    for (m, k) in points:
-        if time.monotonic() > t_end:
-            rows.append({"shape": [m, k], "skipped": "budget"})
-            continue
+    for (m, k) in budgeted(points, budget_s, rows, lambda mk: {"shape": list(mk)}):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         row = {"shape": [m, k]}
         row["default_fused"] = m * k <= ca.FUSED_MAX_ELEMS and m <= ca.FUSED_MAX_ROWS and k <= ca.FUSED_MAX_K

@@ -195,9 +195,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_quant(
     const Glob g = globals(__uint_as_float(partial[m]));
     if (c == 0) s_dec_out[m] = g.s_dec;
 #endif
-    load16(x + (size_t)m * sx + 16 * c, v);
-    quant_block(v, g, b, 0, lim);
-    store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
+    quant_store(x + (size_t)m * sx + 16 * c, g, bx + (size_t)m * sbx + 16 * c);
   }
 #endif
 }
@@ -638,9 +636,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     const Glob g = globals(__uint_as_float(s_amax[m]));
     if (c == 0) s_dec_out[m] = g.s_dec;
 #endif
-    load16(x + (size_t)m * sx + 16 * c, v);
-    quant_block(v, g, b, 0, lim);
-    store16_bf16(bx + (size_t)m * sbx + 16 * c, b);
+    quant_store(x + (size_t)m * sx + 16 * c, g, bx + (size_t)m * sbx + 16 * c);
   }
 #endif
 #if RAC

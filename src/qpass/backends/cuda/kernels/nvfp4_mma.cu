@@ -328,7 +328,7 @@ DEV void quantize_rows(const xt* __restrict__ xin, int M, int K, int sx, float* 
                        u32* __restrict__ amax_out) {
   const int T = NW * 32, nb = K >> 4;
   const long total = (long)M * nb;
-  float v[16], b[16];
+  float v[16];
   for (int i = threadIdx.x; i < 32; i += T) s_rowmax[i] = 0u;
   __syncthreads();
   u32 mx = 0;
@@ -366,9 +366,7 @@ DEV void quantize_rows(const xt* __restrict__ xin, int M, int K, int sx, float* 
 #if ALPHA_KIND == 2
     const Glob g = globals(__uint_as_float(s_rowmax[m]));
 #endif
-    load16(xin + (size_t)m * sx + 16 * c, v);
-    quant_block(v, g, b, 0, 0.0f);
-    store16_bf16(qx_rows + (size_t)m * K + 16 * c, b);
+    quant_store(xin + (size_t)m * sx + 16 * c, g, qx_rows + (size_t)m * K + 16 * c);
   }
   __syncthreads();
 }

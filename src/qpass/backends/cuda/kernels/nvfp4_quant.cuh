@@ -135,3 +135,11 @@ DEV void store16_bf16(u16* p, const float* b) {  // exact values (<= 6 significa
   q[0] = make_uint4(w[0], w[1], w[2], w[3]);
   q[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
+
+// One 16-element block of B_X: load, quantize, store (the plain activation operand).
+DEV void quant_store(const xt* __restrict__ xp, const Glob& g, u16* __restrict__ bp) {
+  float v[16], b[16];
+  load16(xp, v);
+  quant_block(v, g, b, 0, 0.0f);
+  store16_bf16(bp, b);
+}
