@@ -148,10 +148,9 @@ def bench_shape(rows: list, t: int, e: int, k_top: int, n: int, k: int, dev: str
     a, sx, a2, sr = _operands(xs, offs, True)
     out = torch.empty(xs.shape[0], n, dtype=torch.bfloat16, device=dev)
     w_bf16 = [nvfp4_dequantize(w, torch.bfloat16) for w in wq]
-    segs = [(offs[j], offs[j + 1]) for j in range(e) if offs[j + 1] > offs[j]]
 
-    def bf16_loop():
-        for j, (lo, hi) in enumerate(segs):
+    def bf16_loop():  # expert j's rows times expert j's weight (experts without rows are skipped)
+        for j, lo, hi in _experts(offs, e):
             torch.mm(xs[lo:hi], w_bf16[j].t())
 
     def per_expert_loop():
