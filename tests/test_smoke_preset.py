@@ -2,7 +2,7 @@
 
 The slow run loads the default model (SmolLM2-135M GGUF), captures both graphs and trains 2 GRPO
 steps with learner, rollout and weight sync; it checks the exit status and every output file, not the
-wall time (measured in the commit that set the preset's sizes).
+wall time (measured in docs/results/suite_time.md, claims table).
 """
 
 from __future__ import annotations

@@ -18,13 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from qpass.sampling import sampling_logprobs
 
-__all__ = ["Experience", "assemble", "decode_responses", "micro_batches", "response_logprobs"]
+__all__ = ["Experience", "WindowScorer", "assemble", "decode_responses", "micro_batches", "response_logprobs"]
+
+
+@runtime_checkable
+class WindowScorer(Protocol):
+    """A learner that computes logits at a window of positions only (:class:`qpass.runtime.TorchLearner`)."""
+
+    def window_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Logits ``[B, stop - start, V]`` of positions ``start .. stop - 1`` of ``input_ids`` ``[B, T]``:
+        those of ``learner(input_ids, attention_mask)[:, start:stop]``, with gradient only through them."""
+        ...
 
 
 @dataclasses.dataclass
@@ -128,14 +139,15 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Learner log-probs of the response tokens under the sampling distribution.
 
-    Scores the whole sequence with the learner (``learner(input_ids, attention_mask) -> logits``,
-    e.g. :class:`qpass.runtime.TorchLearner`) and keeps only the ``R`` positions that
-    predict response tokens before the softmax, so the ``[N, R, V]`` float32 log-softmax is the
-    only vocabulary-sized buffer. Position by position this is
-    ``TorchLearner.token_logprobs(...)[:, P - 1:]``.
+    Takes the learner's logits at the ``R`` positions that predict response tokens only: a
+    :class:`WindowScorer` (e.g. :class:`qpass.runtime.TorchLearner`) runs its output projection on
+    those ``N * R`` rows alone; any other learner (``learner(input_ids, attention_mask) -> logits``)
+    scores the whole sequence and the window is sliced out before the softmax. Either way the
+    ``[N, R, V]`` float32 log-softmax is the only float32 vocabulary-sized buffer, and position by
+    position this is ``TorchLearner.token_logprobs(...)[:, P - 1:]``.
 
     Args:
-        learner: module returning logits ``[N, T, V]``.
+        learner: a :class:`WindowScorer`, or a module returning logits ``[N, T, V]``.
         exp: the rows to score.
         temperature, top_p: the sampling distribution the rollout used (SPEC §4).
         with_entropy: also return the entropy (nats) of that distribution at each position.
@@ -144,7 +156,10 @@ def response_logprobs(
         detached entropy or None. Values off ``exp.sampled_mask`` are meaningless.
     """
     p, r = exp.prompt_len, exp.response_width
-    logits = learner(exp.input_ids, exp.attention_mask)[:, p - 1:p - 1 + r]
+    if isinstance(learner, WindowScorer):
+        logits = learner.window_logits(exp.input_ids, exp.attention_mask, p - 1, p - 1 + r)
+    else:
+        logits = learner(exp.input_ids, exp.attention_mask)[:, p - 1:p - 1 + r]
     lp_all = sampling_logprobs(logits, temperature, top_p)
     logp = lp_all.gather(-1, exp.input_ids[:, p:p + r].unsqueeze(-1)).squeeze(-1)
     ent = None
