@@ -439,3 +439,13 @@ def test_fused_score_sums_are_exact_for_every_batch_size():
         terms[0][0] = 0xFFFFFFFF  # a low word that carries on the next add
         got = _fused_scores_model(terms, threads=64 if m_rows * n_ch > 128 else 1024)
         assert got == [sum(terms[i][j] for i in range(m_rows)) % 2**64 for j in range(n_ch)], (m_rows, n_ch)
+
+
+def test_one_launch_w4a4_rule_follows_the_run4_timings():
+    """The QX route (the GEMM quantizes its own activations) where run 4 measured it faster than the two
+    launches: M = 1 on 4096x4096 and the SmolLM2 shapes; not 1x14336x4096 / 1x4096x14336 (each thread of
+    a CTA would quantize 4 / 3.5 blocks) nor M = 16 on the SmolLM2 shapes (9 blocks per thread)."""
+    q = cl.quantizes_in_kernel
+    assert q(1, 4096, 4096) and q(1, 576, 576) and q(1, 576, 1536) and q(1, 1536, 576) and q(1, 576, 192)
+    assert not q(1, 4096, 14336) and not q(1, 14336, 4096) and not q(16, 576, 576) and not q(16, 1536, 576)
+    assert q(16, 576) and not q(33, 1024)  # without n: only the shared-memory bound (M * K * 2 <= 64 KiB)

@@ -102,7 +102,7 @@ def nvfp4_linear(call) -> torch.Tensor | None:
 
     if call.w4a16:
         a, s_dec_x, br, s_dec_r = x2, None, None, None
-    elif call.rac is None and ROUTES["act_quant_in_gemm"] and m <= cl.MAX_TOKEN_SLOTS and cl.quantizes_in_kernel(m, k) \
+    elif call.rac is None and ROUTES["act_quant_in_gemm"] and m <= cl.MAX_TOKEN_SLOTS and cl.quantizes_in_kernel(m, k, w.codes.shape[0]) \
             and cl.supported(x2, w.codes):
         # W4A4 without RAC at decode sizes: one launch that quantizes x itself (same B_X and S_dec_X bits)
         check = sync_checks_enabled(x2.device)

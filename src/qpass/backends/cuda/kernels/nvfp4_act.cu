@@ -210,12 +210,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_quant(
 // bit below the decided ones differs (the remaining candidates are equal keys: ties by index) or when
 // the candidates of the chosen bin are exactly the ones still needed. The bin holding the need-th
 // largest key is found by a parallel suffix scan of the 256 bins (8 warp scans), not by a serial loop.
-// Histogram adds are aggregated per warp (__match_any_sync).
 DEV void hist_add(u32* hist, u32 bin, bool active) {
-  const u32 m = __ballot_sync(0xFFFFFFFFu, active);
-  if (!active) return;
-  const u32 peers = __match_any_sync(m, bin);
-  if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
+  // a plain shared atomic (lanes of a warp on one bin are serialised by the hardware), not run 3's
+  // aggregation by __match_any_sync; cuda_check's act_profile times the select
+  if (active) atomicAdd(&hist[bin], 1u);
 }
 
 struct Pick {
@@ -268,9 +266,8 @@ DEV void or_and_add(u64 o, u64 a, u32* s_oa) {
   }
 }
 
-// Order-preserving compaction of one chunk of THREADS entries: returns this thread's slot among the
-// kept entries of the chunk (valid where keep), and adds the chunk's count to *total (every thread
-// reads the new total). Two __syncthreads; s_cnt holds THREADS / 32 ints.
+// Order-preserving rank of one chunk of THREADS entries: returns this thread's rank among the kept
+// entries so far (valid where keep) and adds the chunk's count to *total. Two __syncthreads.
 DEV int compact_slot(bool keep, int* s_cnt, int* total) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const u32 bal = __ballot_sync(0xFFFFFFFFu, keep);
@@ -286,29 +283,29 @@ DEV int compact_slot(bool keep, int* s_cnt, int* total) {
   return slot;
 }
 
-// Select passes after stage 1 run over a candidate list `cand` (u16 channel indices, index order, in
-// shared memory) instead of all K keys: each pass keeps the entries whose key matches the prefix
-// decided so far (compacted in place, order preserved) and histograms their next window. Stage 1
-// and the final mask pass read all K keys; the mask words come from warp ballots (32 channels per
-// word, no atomics) except the tie entries of an unfinished bin, which go by their rank in `cand`.
-DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask, u16* cand) {
+// Each pass reads all K keys (from shared memory where the caller put them there); the histogram and
+// the OR/AND words are double-buffered, so a pass resets the next pass's copy instead of spending a
+// barrier on it. The mask words come from warp ballots (32 channels per word); only when the k-th
+// key's bin is not taken whole, a last pass ranks the tied keys in index order.
+DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
   static_assert(THREADS >= 256 && THREADS % 32 == 0, "select_topk scans 256 bins with 8 warps");
-  __shared__ u32 hist[256];
+  __shared__ u32 hist2[2][256];
   __shared__ u32 s_wsum[8];
-  __shared__ u32 s_oa[4];
+  __shared__ u32 s_oa2[2][4];
   __shared__ int s_pick[3];
   __shared__ int s_cnt[THREADS / 32];
-  __shared__ int s_nc[2];  // candidates listed, then kept by the current pass
+  __shared__ int s_rank;
   k = min(k, K);
-  for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
-  if (threadIdx.x < 4) s_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
-  if (threadIdx.x < 2) s_nc[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < 512; i += THREADS) (&hist2[0][0])[i] = 0u;
+  if (threadIdx.x < 8) (&s_oa2[0][0])[threadIdx.x] = (threadIdx.x & 3) < 2 ? 0u : ~0u;
+  if (threadIdx.x == 0) s_rank = 0;
   __syncthreads();
   u64 pf = 0, pm = 0;  // decided bits (mask) and their values: the candidates are (key & pm) == pf
-  int need = k, all = 0;
-  bool listed = false;  // cand[0, s_nc[0]) holds every candidate (else: all K channels)
+  int need = k, all = 0, buf = 0;
   if (k > 0) {
-    // stage 1: bit length, over all K
+    // stage 1: bit length
+    u32* hist = hist2[0];
+    u32* s_oa = s_oa2[0];
     u64 o = 0, a = ~0ull;
     for (int base = 0; base < K; base += THREADS) {
       const int j = base + threadIdx.x;
@@ -321,6 +318,8 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask, u1
     }
     or_and_add(o, a, s_oa);
     __syncthreads();
+    // s_oa is read before pick_bin's barriers: the pass after next zeroes this buffer
+    u64 diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
     Pick p = pick_bin(hist, need, s_wsum, s_pick);
     const int L = p.bin;  // the candidates' bit length (0: the candidates are 0)
     need = p.need;
@@ -330,7 +329,6 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask, u1
       pm |= 1ull << (L - 1);
       pf = 1ull << (L - 1);
     }
-    u64 diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
     int lo = L - 1;  // bits [0, lo) are undecided
     // stage 2: 8-bit windows starting at the highest bit below lo where the candidates differ
     while (!all && lo > 0) {
@@ -340,43 +338,38 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask, u1
       const int wlo = hi >= 7 ? hi - 7 : 0;
       const int width = hi - wlo + 1;
       const u64 wmask = ((1ull << width) - 1ull);
-      __syncthreads();  // every thread has read s_oa, hist and s_nc of the last pass
-      for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0u;
-      if (threadIdx.x < 4) s_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
-      __syncthreads();
+      // this pass uses the other buffer (zeroed at the start or by the pass before the last); it
+      // zeroes the one the last pass used (every thread has read it: pick_bin ended with a barrier)
+      u32* prev = hist2[buf];
+      u32* prev_oa = s_oa2[buf];
+      buf ^= 1;
+      hist = hist2[buf];
+      s_oa = s_oa2[buf];
+      for (int i = threadIdx.x; i < 256; i += THREADS) prev[i] = 0u;
+      if (threadIdx.x < 4) prev_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
       o = 0;
       a = ~0ull;
-      const int n_in = listed ? s_nc[0] : K;
-      for (int base = 0; base < n_in; base += THREADS) {
-        const int i = base + threadIdx.x;
-        const int j = i < n_in ? (listed ? (int)cand[i] : i) : 0;
-        const u64 key = i < n_in ? scores[j] : 0ull;
-        const bool c = i < n_in && (key & pm) == pf;
-        hist_add(hist, (u32)((key >> wlo) & wmask), c);
-        if (c) {
+      for (int base = 0; base < K; base += THREADS) {
+        const int j = base + threadIdx.x;
+        const u64 key = j < K ? scores[j] : 0ull;
+        const bool cand = j < K && (key & pm) == pf;
+        hist_add(hist, (u32)((key >> wlo) & wmask), cand);
+        if (cand) {
           o |= key;
           a &= key;
         }
-        const int slot = compact_slot(c, s_cnt, &s_nc[1]);
-        if (c) cand[slot] = (u16)j;
       }
       or_and_add(o, a, s_oa);
       __syncthreads();
-      if (threadIdx.x == 0) {
-        s_nc[0] = s_nc[1];
-        s_nc[1] = 0;
-      }
-      listed = true;
-      p = pick_bin(hist, need, s_wsum, s_pick);  // (its barriers also publish s_nc)
+      diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
+      p = pick_bin(hist, need, s_wsum, s_pick);
       need = p.need;
       all = p.all;
       pf |= (u64)p.bin << wlo;
       pm |= wmask << wlo;
-      diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
       lo = wlo;
     }
   }
-  __syncthreads();
   // every key above the decided prefix, and with `all` the keys equal to it: one ballot per 32 channels
   for (int base = 0; base < K; base += THREADS) {
     const int j = base + threadIdx.x;
@@ -388,17 +381,13 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask, u1
     const u32 w = __ballot_sync(0xFFFFFFFFu, sel);
     if ((threadIdx.x & 31) == 0 && j < K) mask[j >> 5] = w;
   }
-  __syncthreads();
   if (k > 0 && !all) {
-    // ties: the first `need` keys equal to the prefix in index order (their rank in the candidate list)
-    const int n_in = listed ? s_nc[0] : K;
-    if (threadIdx.x == 0) s_nc[1] = 0;
+    // ties: the first `need` keys equal to the prefix, in index order
     __syncthreads();
-    for (int base = 0; base < n_in; base += THREADS) {
-      const int i = base + threadIdx.x;
-      const int j = i < n_in ? (listed ? (int)cand[i] : i) : 0;
-      const bool t = i < n_in && (scores[j] & pm) == pf;
-      const int rank = compact_slot(t, s_cnt, &s_nc[1]);
+    for (int base = 0; base < K; base += THREADS) {
+      const int j = base + threadIdx.x;
+      const bool t = j < K && (scores[j] & pm) == pf;
+      const int rank = compact_slot(t, s_cnt, &s_rank);
       if (t && rank < need) atomicOr(mask + (j >> 5), 1u << (j & 31));
     }
   }
@@ -409,18 +398,15 @@ extern __shared__ u64 dyn_smem[];
 
 extern "C" __global__ void __launch_bounds__(THREADS) rac_select(const u64* __restrict__ scores, int K, int k,
                                                                 u32* __restrict__ mask, int smem_keys) {
-  // smem_keys: the host gave K * 8 + K * 2 bytes of dynamic shared memory (the keys, then the candidate
-  // list); else K * 2 (the list)
-  // smem_keys == 0: the keys stay in global memory and the candidate list takes the dynamic shared memory
+  // smem_keys: the host gave K * 8 bytes of dynamic shared memory; every select pass then reads its
+  // keys from shared memory instead of L2 (each pass re-reads all K keys)
   const u64* keys = scores;
-  u16* cand = (u16*)dyn_smem;
   if (smem_keys) {
     for (int j = threadIdx.x; j < K; j += THREADS) dyn_smem[j] = __ldcg(scores + j);
     __syncthreads();
     keys = dyn_smem;
-    cand = (u16*)(dyn_smem + K);
   }
-  select_topk(keys, K, k, mask, cand);
+  select_topk(keys, K, k, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) rac_residual(
@@ -647,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_fused(
     for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) s_mask[i] = static_mask[i];
     __syncthreads();
   } else {
-    select_topk(keys, K, rac_k, s_mask, (u16*)(rbuf + (keep_r ? total * 16 : 0)));
+    select_topk(keys, K, rac_k, s_mask);
     __syncthreads();
   }
   for (int i = threadIdx.x; i < (K + 31) / 32; i += THREADS) mask_out[i] = s_mask[i];
