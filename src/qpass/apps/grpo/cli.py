@@ -72,7 +72,7 @@ class GrpoPreset:
 #: the final bit-level parity check, plots) at sizes where the update still runs; measured in
 #: docs/results/suite_time.md (claims table). The heavy default diagnostics (400-prompt eval, layer-wise probe, BF16 shadow) are off.
 GRPO_PRESETS: dict[str, GrpoPreset] = {p.name: p for p in (
-    GrpoPreset("smoke", "a real 2-step run on the default model (about 5 CPU-minutes on a shared 2-core AVX2 CPU): the 'larger' task "
+    GrpoPreset("smoke", "a real 2-step run on the default model (about 1.5 minutes on an idle 2-core AVX2 CPU, more when it is shared): the 'larger' task "
                "with its few-shot prompt (the calibrated task of the long runs) sampled at temperature 0.5, so the untrained "
                "model is right often enough that rewards differ and the update runs; 1 prompt x 4 responses of <= 6 tokens per "
                "step (sampling, reward, update, weight sync) and the bit-level parity check on the last step; no held-out eval, "
