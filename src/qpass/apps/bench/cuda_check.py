@@ -494,7 +494,7 @@ def act_sweep(points, budget_s: float) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--budget-s", type=float, default=200)
@@ -510,34 +510,35 @@ def main(argv=None) -> int:
     ap.add_argument("--act-sweep-s", type=float, default=45.0,
                     help="seconds for the activation-kernel sweep (one-CTA vs multi-CTA) and the phase profile; 0: skip")
     ap.add_argument("--only-act", action="store_true", help="the activation checks, sweep and profile only, then exit")
-    args = ap.parse_args(argv)
-    if args.e2e_only:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        rows = e2e(args.budget_s, args.e2e_models, tuple(int(b) for b in args.e2e_batches.split(",")))
-        (out / "e2e.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-        for r in rows:
-            print(r.get("model", "")[:12], r.get("B"), r.get("recipe"), r.get("cuda_route"),
-                  f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')}" if "step_us" in r else r.get("error", r.get("skipped")))
-        return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    rep: dict = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}}
+    return ap
+
+
+def _e2e_only(args, out: Path) -> int:
+    rows = e2e(args.budget_s, args.e2e_models, tuple(int(b) for b in args.e2e_batches.split(",")))
+    (out / "e2e.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    for r in rows:
+        print(r.get("model", "")[:12], r.get("B"), r.get("recipe"), r.get("cuda_route"),
+              f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')}" if "step_us" in r else r.get("error", r.get("skipped")))
+    return 0
+
+
+def _env() -> dict:
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}
     try:
         import cuda.bindings
         import triton
 
-        rep["env"]["cuda_bindings"] = cuda.bindings.__version__
-        rep["env"]["triton"] = triton.__version__
+        env["cuda_bindings"] = cuda.bindings.__version__
+        env["triton"] = triton.__version__
     except Exception as exc:  # noqa: BLE001
-        rep["env"]["import_error"] = repr(exc)
+        env["import_error"] = repr(exc)
     tc = time.time()
     runtime.get_kernel("nvfp4_mma", "nvfp4_mma_gemm", dict(NT=1, NW=4), 0)
-    rep["env"]["first_compile_s"] = time.time() - tc
-    rep["exhaustive"] = [exhaustive(torch.bfloat16), exhaustive(torch.float16)]
-    print(json.dumps(rep["exhaustive"]), flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    env["first_compile_s"] = time.time() - tc
+    return env
+
+
+def _bound_checks(gen) -> list[dict]:
     checks = []
     for (m, n, k) in [(1, 4096, 4096), (16, 4096, 14336), (3, 576, 576), (7, 192, 576), (16, 1536, 576), (5, 576, 1536),
                       (1, 100, 4128), (32, 256, 1024)]:
@@ -546,6 +547,10 @@ def main(argv=None) -> int:
     checks.append(bound_check(8, 4096, 4096, torch.bfloat16, x2=True, bias=True, gen=gen))
     checks.append(bound_check(4, 1536, 576, torch.bfloat16, x2=True, per_token=True, gen=gen))
     checks.append(bound_check(16, 576, 1536, torch.float16, per_token=True, bias=True, gen=gen))
+    return checks
+
+
+def _act_checks(gen) -> list[dict]:
     acts = []
     for (m, k) in [(1, 4096), (16, 14336), (3, 576), (64, 1536), (1, 576)]:
         for dtype in (torch.bfloat16, torch.float16):
@@ -566,24 +571,36 @@ def main(argv=None) -> int:
         for dtype in (torch.bfloat16, torch.float16):
             for per_token in (False, True):
                 acts.append(qx_check(m, n, k, dtype, per_token=per_token, bias=m == 3, gen=gen))
-    rep["act_checks"] = acts
-    for c in acts:
-        print(json.dumps(c), flush=True)
-    if args.act_sweep_s:
-        pts = [(m, k) for m in (1, 4, 16, 64) for k in (576, 1536, 4096, 14336)]
-        rep["act_profile"] = act_profile([(1, 576), (1, 4096), (1, 14336), (16, 576), (16, 1536), (4, 4096)])
-        rep["act_sweep"] = act_sweep(pts, args.act_sweep_s)
-    if args.only_act:
-        rep["ok"] = all(c["ok"] for c in acts)
-        (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
-        print("OK" if rep["ok"] else "FAILED", f"{time.time() - t0:.0f}s")
-        return 0 if rep["ok"] else 1
-    rep["bound_checks"] = checks
-    for c in checks:
-        print(json.dumps(c), flush=True)
-    def save():  # after every section: a timed-out call still brings back what was measured
-        (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
-    save()
+    return acts
+
+
+def _timing_lines(rep: dict) -> list[str]:
+    lines = ["| M x N x K | bf16 us | mma us (cfg) | mma vs bf16 | tinygemm vs bf16 | fp8 vs bf16 | triton w4a16 vs bf16 | +x2 vs bf16 | w4a4 | w4a4+rac | triton w4a4 | actq us | actq+rac us | other nw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["timings"]:
+        if "skipped" in r:
+            continue
+        f = lambda key: f"{r[key]:.2f}" if isinstance(r.get(key), float) else "-"  # noqa: E731
+        others = " ".join(f"{kk[9:-8]}:{r[kk]:.2f}" for kk in r if kk.startswith("mma_w4a16_nw") and kk.endswith("_vs_bf16"))
+        lines.append(f"| {r['shape']} | {r['bf16']:.1f} | {r['mma_w4a16']:.1f} {r['mma_config']} | {f('mma_w4a16_vs_bf16')} | "
+                     f"{f('tinygemm_int4_vs_bf16')} | {f('fp8_scaled_mm_vs_bf16')} | {f('triton_w4a16_vs_bf16')} | "
+                     f"{f('mma_w4a16_plus_x2_vs_bf16')} | {f('mma_w4a4_vs_bf16')} | {f('mma_w4a4_rac50_vs_bf16')} | {f('triton_w4a4_vs_bf16')} | "
+                     f"{f('act_quant_only')} | {f('act_quant_rac50_only')} | {others} |")
+    return lines
+
+
+def _print_runs(rep: dict) -> None:
+    for r in rep.get("rollout_phase", []):
+        print("rollout", r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
+              f"{r['tokens_per_s']:.0f} tok/s {r.get('vs_bf16', 0):.2f}x {r.get('decode_graph')}" if "tokens_per_s" in r
+              else r.get("error", r.get("skipped")))
+    for r in rep.get("e2e", []):
+        print(r.get("model", "")[:12], "B", r.get("B"), r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
+              f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')} {r.get('graph')} eq={r.get('replay_equals_eager')}"
+              if "step_us" in r else r.get("error", r.get("skipped")))
+
+
+def _timed_sections(args, rep: dict, save) -> None:
     shapes = [(4096, 4096), (14336, 4096), (4096, 14336)]
     if args.shapes == "all":
         shapes += [(576, 576), (192, 576), (1536, 576), (576, 1536)]
@@ -601,31 +618,49 @@ def main(argv=None) -> int:
     if args.with_e2e and any(b > 16 for b in batches):
         rep["e2e"] += e2e(args.with_e2e_large, args.e2e_models, tuple(b for b in batches if b > 16))
         save()
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.e2e_only:
+        return _e2e_only(args, out)
+    t0 = time.time()
+    rep: dict = {"env": _env()}
+    rep["exhaustive"] = [exhaustive(torch.bfloat16), exhaustive(torch.float16)]
+    print(json.dumps(rep["exhaustive"]), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    checks = _bound_checks(gen)
+    acts = _act_checks(gen)
+    rep["act_checks"] = acts
+    for c in acts:
+        print(json.dumps(c), flush=True)
+    if args.act_sweep_s:
+        pts = [(m, k) for m in (1, 4, 16, 64) for k in (576, 1536, 4096, 14336)]
+        rep["act_profile"] = act_profile([(1, 576), (1, 4096), (1, 14336), (16, 576), (16, 1536), (4, 4096)])
+        rep["act_sweep"] = act_sweep(pts, args.act_sweep_s)
+    if args.only_act:
+        rep["ok"] = all(c["ok"] for c in acts)
+        (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
+        print("OK" if rep["ok"] else "FAILED", f"{time.time() - t0:.0f}s")
+        return 0 if rep["ok"] else 1
+    rep["bound_checks"] = checks
+    for c in checks:
+        print(json.dumps(c), flush=True)
+
+    def save():  # after every section: a timed-out call still brings back what was measured
+        (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
+    save()
+    _timed_sections(args, rep, save)
     rep["ok"] = all(e["mismatches"] == 0 for e in rep["exhaustive"]) and all(c["ok"] for c in checks) \
         and all(c["ok"] for c in acts)
     rep["wall_s"] = time.time() - t0
     (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
-    lines = ["| M x N x K | bf16 us | mma us (cfg) | mma vs bf16 | tinygemm vs bf16 | fp8 vs bf16 | triton w4a16 vs bf16 | +x2 vs bf16 | w4a4 | w4a4+rac | triton w4a4 | actq us | actq+rac us | other nw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rep["timings"]:
-        if "skipped" in r:
-            continue
-        f = lambda key: f"{r[key]:.2f}" if isinstance(r.get(key), float) else "-"  # noqa: E731
-        others = " ".join(f"{kk[9:-8]}:{r[kk]:.2f}" for kk in r if kk.startswith("mma_w4a16_nw") and kk.endswith("_vs_bf16"))
-        lines.append(f"| {r['shape']} | {r['bf16']:.1f} | {r['mma_w4a16']:.1f} {r['mma_config']} | {f('mma_w4a16_vs_bf16')} | "
-                     f"{f('tinygemm_int4_vs_bf16')} | {f('fp8_scaled_mm_vs_bf16')} | {f('triton_w4a16_vs_bf16')} | "
-                     f"{f('mma_w4a16_plus_x2_vs_bf16')} | {f('mma_w4a4_vs_bf16')} | {f('mma_w4a4_rac50_vs_bf16')} | {f('triton_w4a4_vs_bf16')} | "
-                     f"{f('act_quant_only')} | {f('act_quant_rac50_only')} | {others} |")
+    lines = _timing_lines(rep)
     (out / "devcheck.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    for r in rep.get("rollout_phase", []):
-        print("rollout", r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
-              f"{r['tokens_per_s']:.0f} tok/s {r.get('vs_bf16', 0):.2f}x {r.get('decode_graph')}" if "tokens_per_s" in r
-              else r.get("error", r.get("skipped")))
-    for r in rep.get("e2e", []):
-        print(r.get("model", "")[:12], "B", r.get("B"), r.get("recipe"), "cuda" if r.get("cuda_route") else "triton",
-              f"{r['step_us']:.0f}us {r.get('vs_bf16', 0):.2f}x calls={r.get('cuda_calls')} {r.get('graph')} eq={r.get('replay_equals_eager')}"
-              if "step_us" in r else r.get("error", r.get("skipped")))
+    _print_runs(rep)
     print("OK" if rep["ok"] else "FAILED", f"{rep['wall_s']:.0f}s")
     return 0 if rep["ok"] else 1
 
