@@ -131,3 +131,24 @@ def test_every_kernels_flag_offers_the_same_backends():
         (action,) = [a for a in ap._actions if "--kernels" in a.option_strings]
         assert action.choices is KERNEL_CHOICES, ap.prog
     assert common.parse_args(["--kernels", "cuda"]).kernels == "cuda"
+
+
+@pytest.mark.parametrize("argv,prog", [
+    (["apply", "quads_nvfp4", "--out", "OUT", "--dtype", "bf17"], "qpass apply"),
+    (["grpo", "--recipe", "quads_nvfp4", "--out", "OUT", "--preset", "smok"], "qpass grpo"),
+    (["grpo", "--recipe", "quads_nvfp5", "--out", "OUT", "--steps", "abc"], "qpass grpo"),
+    (["export", "DIR", "--format", "onnx2", "--out", "OUT"], "qpass export"),
+])
+def test_a_usage_error_is_one_line_naming_the_command(argv, prog, capsys, tmp_path):
+    """A fresh user met argparse's 10-42 line usage block before a one-word typo, and `--preset smok`
+    named the program `qpass` instead of `qpass grpo`."""
+    from qpass.apps.cli import main
+
+    argv = [str(tmp_path / a) if a in ("OUT", "DIR") else a for a in argv]
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # the console script's exit status either way
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: ") and err[0].endswith(f"(see {prog} --help)"), err

@@ -12,6 +12,8 @@ every file written so ``qpass check DIR`` finds a changed byte before loading an
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import contextlib
 import functools
 import logging
@@ -301,7 +303,7 @@ def build_apply_parser(prog: str = "qpass apply") -> argparse.ArgumentParser:
     """The ``qpass apply`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
     from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_rollout_engine, add_threads, add_verbose, pos_int, seed_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report",
+    ap = Parser(prog=prog, description="Apply a recipe: learner graph + rollout graph + parity report",
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("recipe", help="recipe YAML path or built-in name (see `qpass recipes`)")
     ap.add_argument("--out", required=True, type=Path, help="output directory (written atomically, reserved from the start)")

@@ -23,6 +23,8 @@ recipe's requests) before use.
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import hashlib
 import json
 import sys
@@ -177,7 +179,7 @@ def build_calibrate_parser(prog: str = "qpass calibrate") -> argparse.ArgumentPa
     """The ``qpass calibrate`` argument parser."""
     from qpass.apps.cliutil import DefaultsHelpFormatter, add_dtype, add_force, add_threads, add_verbose, pos_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Calibrate static RAC channels and static activation scales "
+    ap = Parser(prog=prog, description="Calibrate static RAC channels and static activation scales "
                                  "(input_scale) of a recipe's rollout on prompts", formatter_class=DefaultsHelpFormatter)
     ap.add_argument("recipe", help="recipe name or YAML path (its static passes say what to calibrate)")
     ap.add_argument("--out", required=True, type=Path, help="calibration directory to create (written atomically)")

@@ -35,6 +35,8 @@ For a recipe, stages 4-5 run on freshly built graphs (no files).
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import contextlib
 import dataclasses
 import os
@@ -342,7 +344,7 @@ def build_check_parser(prog: str = "qpass check") -> argparse.ArgumentParser:
     """The ``qpass check`` argument parser (shared flags from :mod:`qpass.apps.cliutil`)."""
     from qpass.apps.cliutil import DefaultsHelpFormatter, add_rollout_engine, add_threads, add_verbose
 
-    ap = argparse.ArgumentParser(prog=prog, description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe",
+    ap = Parser(prog=prog, description="Verify learner/rollout parity of saved artifacts (DIR) or of a recipe",
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("target", help="an output DIR of `qpass apply`, or a recipe")
     add_common_args(ap)

@@ -26,6 +26,8 @@ output directory.
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import dataclasses
 import logging
 import os
@@ -43,7 +45,7 @@ def _recipes(argv: list[str]) -> int:
     from qpass.apps.cliutil import add_verbose
     from qpass.compiler.recipe import builtin_recipes, load_recipe
 
-    ap = argparse.ArgumentParser(prog="qpass recipes", description="List built-in recipes")
+    ap = Parser(prog="qpass recipes", description="List built-in recipes")
     ap.add_argument("--json", action="store_true")
     add_verbose(ap)
     a = ap.parse_args(argv)
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     Used for ``--help`` and to check the tree (shared flags on every subcommand); each command's
     entry point parses its own arguments with the same builder.
     """
-    ap = argparse.ArgumentParser(prog="qpass", description="compiler passes for NVFP4/FP8 rollouts in LLM RL",
+    ap = Parser(prog="qpass", description="compiler passes for NVFP4/FP8 rollouts in LLM RL",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for c in COMMANDS.values():

@@ -65,6 +65,15 @@ def exit_status(exc: BaseException) -> int:
 # ----------------------------------------------------------------------------- help
 
 
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line on stderr, exit 2:
+    ``PROG: error: MESSAGE (see PROG --help)`` — not the usage block first (a fresh user found a
+    42-line usage block ahead of a one-word typo). Subparsers inherit it."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` with every option's default: ``(default: X)`` is appended unless the help text already
     says what the default is (the word "default"), the default is None/False (then the help text says

@@ -36,6 +36,8 @@ tensors: :mod:`qpass.checkpoint.formats`; files: :mod:`qpass.checkpoint.hfdir`.
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import dataclasses
 import json
 import logging
@@ -501,7 +503,7 @@ def build_export_parser(prog: str = "qpass export") -> argparse.ArgumentParser:
     """The ``qpass export`` argument parser."""
     from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_threads, add_verbose, pos_int
 
-    ap = argparse.ArgumentParser(prog=prog, description="Export a standalone Hugging Face checkpoint (formats: "
+    ap = Parser(prog=prog, description="Export a standalone Hugging Face checkpoint (formats: "
                                  + ", ".join(sorted(CHECKPOINT_FORMATS)) + ")", formatter_class=DefaultsHelpFormatter)
     ap.add_argument("src", nargs="?", help="a qpass apply output directory, or a model (default | HF dir | .gguf)")
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (written atomically)")

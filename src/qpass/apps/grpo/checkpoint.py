@@ -45,6 +45,8 @@ had produced.
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import hashlib
 import json
 import math
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m qpass.apps.grpo.checkpoint convert OLD.pt [--out NEW.ckpt]`` / ``verify CKPT``."""
     from qpass.apps.cliutil import exit_status
 
-    ap = argparse.ArgumentParser(prog="python -m qpass.apps.grpo.checkpoint", description="GRPO checkpoints: convert or verify")
+    ap = Parser(prog="python -m qpass.apps.grpo.checkpoint", description="GRPO checkpoints: convert or verify")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="rewrite an older qpass's <recipe>.pt pickle as a <recipe>.ckpt directory")
     c.add_argument("old", type=Path)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.apps.cliutil import DefaultsHelpFormatter, add_dtype, add_force, add_kernels, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
+from qpass.apps.cliutil import Parser, DefaultsHelpFormatter, add_dtype, add_force, add_kernels, add_rollout_engine, add_threads, add_verbose, exit_status, seed_int
 from qpass.apps.cliutil import nonneg_float as _nonneg_float
 from qpass.apps.cliutil import nonneg_int as _nonneg_int
 from qpass.apps.cliutil import pos_float as _pos_float
@@ -88,7 +88,7 @@ def _apply_preset(ap: argparse.ArgumentParser, argv: Sequence[str]) -> str | Non
 
     Returns the preset's name (None: no preset).
     """
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(prog=ap.prog, add_help=False)
     pre.add_argument("--preset", choices=sorted(GRPO_PRESETS), default=None)
     known, _ = pre.parse_known_args(list(argv))
     if known.preset is None:
@@ -264,7 +264,7 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
     from qpass.apps.grpo.grpo import GRPOConfig
 
     D = GRPOConfig()  # noqa: N806
-    ap = argparse.ArgumentParser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
+    ap = Parser(prog=prog, description="GRPO with a learner graph and a (quantized) rollout graph; "
                                  "logs SPEC §4 mismatch diagnostics per step.", formatter_class=DefaultsHelpFormatter)
     _add_run_args(ap, D)
     _add_moe_args(ap)
@@ -280,7 +280,7 @@ def build_grpo_parser(prog: str = "qpass grpo") -> argparse.ArgumentParser:
 
 def build_plot_parser(prog: str = "qpass grpo-plot") -> argparse.ArgumentParser:
     """The ``qpass grpo-plot`` argument parser."""
-    ap = argparse.ArgumentParser(prog=prog, description="Overlay GRPO runs (gap, reward, eval accuracy vs step).",
+    ap = Parser(prog=prog, description="Overlay GRPO runs (gap, reward, eval accuracy vs step).",
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
     ap.add_argument("--out", required=True, type=Path, help="output image (PNG)")
@@ -303,7 +303,7 @@ DEFAULT_COMPARE_METRICS = ("eval/accuracy@last:3", "eval/accuracy@all", "gap/tok
 
 def build_compare_parser(prog: str = "qpass grpo-compare") -> argparse.ArgumentParser:
     """The ``qpass grpo-compare`` argument parser."""
-    ap = argparse.ArgumentParser(prog=prog, description="Between-arm differences of GRPO runs with two-level block-bootstrap "
+    ap = Parser(prog=prog, description="Between-arm differences of GRPO runs with two-level block-bootstrap "
                                  "CIs (seeds, then steps), and collapse per run by the written definition and by accuracy alone.")
     ap.add_argument("runs", nargs="*", type=Path, help="run directories; an arm is the directory name without its _s<seed> suffix")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=DIR[,DIR...]", help="an arm given explicitly (repeatable)")

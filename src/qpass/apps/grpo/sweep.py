@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qpass.apps.cliutil import add_kernels, add_verbose, pos_float, pos_int
+from qpass.apps.cliutil import Parser, add_kernels, add_verbose, pos_float, pos_int
 from qpass.atomic import pid_alive
 
 __all__ = ["ARMS", "ARM_SETS", "Arm", "Job", "build_sweep_parser", "plan_jobs", "sweep_main"]
@@ -169,7 +169,7 @@ def plan_jobs(arms: Sequence[Arm], seeds: Sequence[int], model: str) -> list[Job
 
 def build_sweep_parser(prog: str = "qpass grpo-sweep") -> argparse.ArgumentParser:
     """The ``qpass grpo-sweep`` argument parser."""
-    ap = argparse.ArgumentParser(prog=prog, description="Arms x seeds of qpass grpo as parallel processes on one GPU with "
+    ap = Parser(prog=prog, description="Arms x seeds of qpass grpo as parallel processes on one GPU with "
                                  "checkpoint/resume and a wall-clock budget; everything to fetch under one directory.")
     ap.add_argument("action", choices=["run", "start", "status", "collect"])
     ap.add_argument("--state", required=True, type=Path, help="state directory: runs, checkpoints, logs (kept between calls)")

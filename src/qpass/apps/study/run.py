@@ -56,6 +56,8 @@ CPU shared with other jobs.
 from __future__ import annotations
 
 import argparse
+
+from qpass.apps.cliutil import Parser
 import dataclasses
 import logging
 import math
@@ -720,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qpass.apps.cliutil import DefaultsHelpFormatter, add_force, add_kernels, add_rollout_engine, add_threads, add_verbose, pos_float, pos_int, seed_int
     from qpass.apps.runinfo import add_kernel_tiles
 
-    p = argparse.ArgumentParser(prog="qpass study", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="qpass study", description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="default | HF model dir | .gguf path (default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
