@@ -44,11 +44,11 @@ def test_apply_reports_every_phase_with_counts(applied_with_progress):
     status, _, _, text = applied_with_progress
     assert status == 0
     done = [ln for ln in text.splitlines() if ": done " in ln]
-    for phase_done in ("learner passes: done 1/1 pass", "rollout passes: done 2/2 pass", "w4a4_lower: quantize and lower: done 8/8 group",
-                       "bit-level weight parity: done 8/8 group", "structural parity check: done",
+    for phase_done in ("learner passes: done 1/1 pass", "rollout passes: done 2/2 passes", "w4a4_lower: quantize and lower: done 8/8 groups",
+                       "bit-level weight parity: done 8/8 groups", "structural parity check: done",
                        "log-prob gap: sample 4 responses from the rollout graph, score with the learner: done 1/1 batch",
-                       "BF16 engine-drift floor (base graphs): done 1/1 batch", "diagnostics and plots: done 3/3 step",
-                       "write the artifacts: done 2/2 file set"):
+                       "BF16 engine-drift floor (base graphs): done 1/1 batch", "diagnostics and plots: done 3/3 steps",
+                       "write the artifacts: done 2/2 file sets"):
         assert any(phase_done in ln for ln in done), (phase_done, done)
     assert "ETA" in text
 
@@ -65,9 +65,9 @@ def test_check_reports_its_phases(applied_with_progress, tiny_pipeline):
         status, _ = run_check(str(out), ApplyOptions(), pipeline=pipe)
     assert status == 0
     done = [ln for ln in lines.getvalue().splitlines() if ": done " in ln]
-    for phase_done in ("rollout passes: done 2/2 pass", "load the saved learner state: done",
-                       "weight sync: re-quantize the rollout weights: done 8/8 group",
-                       "compare and load every saved rollout tensor: done", "bit-level weight parity: done 8/8 group"):
+    for phase_done in ("rollout passes: done 2/2 passes", "load the saved learner state: done",
+                       "weight sync: re-quantize the rollout weights: done 8/8 groups",
+                       "compare and load every saved rollout tensor: done", "bit-level weight parity: done 8/8 groups"):
         assert any(phase_done in ln for ln in done), (phase_done, done)
 
 

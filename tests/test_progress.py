@@ -96,10 +96,10 @@ def test_line_reporter_prints_start_throttled_progress_and_end(clock):
             clock.t += 60.0
             ph.advance(2)
     assert buf.getvalue().splitlines() == [
-        "qpass: sampling 64 responses (4 batch) ...",
-        "qpass: sampling 64 responses: 1/4 batch, 31s, ETA 1m33s, reward 0.41",
-        "qpass: sampling 64 responses: 4/4 batch, 1m36s, ETA 0s, reward 0.41",
-        "qpass: sampling 64 responses: done 4/4 batch in 1m36s (reward 0.41)",
+        "qpass: sampling 64 responses (4 batches) ...",
+        "qpass: sampling 64 responses: 1/4 batches, 31s, ETA 1m33s, reward 0.41",
+        "qpass: sampling 64 responses: 4/4 batches, 1m36s, ETA 0s, reward 0.41",
+        "qpass: sampling 64 responses: done 4/4 batches in 1m36s (reward 0.41)",
     ]
 
 
@@ -119,12 +119,12 @@ def test_line_reporter_shows_a_nested_phase_only_once_it_is_long(clock):
             ph.advance()
     lines = buf.getvalue().splitlines()
     assert lines == [
-        "qpass: gap (2 batch) ...",
-        "qpass: gap > decode: 12/24 token, 12s, ETA 12s",
-        "qpass: gap > decode: 24/24 token, 24s, ETA 0s",
-        "qpass: gap > decode: done 24/24 token in 24s",
-        "qpass: gap: 2/2 batch, 26s, ETA 0s",
-        "qpass: gap: done 2/2 batch in 26s",
+        "qpass: gap (2 batches) ...",
+        "qpass: gap > decode: 12/24 tokens, 12s, ETA 12s",
+        "qpass: gap > decode: 24/24 tokens, 24s, ETA 0s",
+        "qpass: gap > decode: done 24/24 tokens in 24s",
+        "qpass: gap: 2/2 batches, 26s, ETA 0s",
+        "qpass: gap: done 2/2 batches in 26s",
     ]
 
 
@@ -150,3 +150,50 @@ def test_rich_reporter_renders_count_elapsed_and_eta():
             con.print(rep.progress)  # one frame of the live display
     text = out.getvalue()
     assert "bit-level weight parity" in text and "30/120 group" in text and "ETA" in text
+
+
+def test_line_reporter_heartbeat_names_a_phase_that_does_not_advance(clock):
+    """A fresh user saw 34 s without a line in the BF16-floor phase and 14 s while the learner scored:
+    a phase that never advances now gets a line once nothing was written for interval_s."""
+    buf = io.StringIO()
+    rep = view.LineReporter(buf, interval_s=10.0)
+    with reporting(rep):
+        with phase("BF16 floor", total=1, unit="batch"):
+            with phase("score with the learner"):
+                clock.t += 5.0
+                rep.tick()  # 5 s after the start line: nothing
+                clock.t += 9.0
+                rep.tick()  # 14 s without a line: one for the innermost phase
+                clock.t += 3.0
+                rep.tick()  # 3 s after that line: nothing
+    assert buf.getvalue().splitlines() == [
+        "qpass: BF16 floor (1 batch) ...",
+        "qpass: BF16 floor > score with the learner: 14s (running)",
+        "qpass: BF16 floor > score with the learner: done in 17s",
+        "qpass: BF16 floor: done 0/1 batch in 17s",
+    ]
+    rep.tick()  # no phase running: nothing
+    assert len(buf.getvalue().splitlines()) == 4
+
+
+def test_heartbeat_thread_ticks_line_reporters_only():
+    import threading
+
+    class Ticks(view.LineReporter):
+        def __init__(self) -> None:
+            super().__init__(io.StringIO(), interval_s=0.01)
+            self.n, self.seen = 0, threading.Event()
+
+        def tick(self) -> None:
+            self.n += 1
+            if self.n >= 3:
+                self.seen.set()
+
+    rep = Ticks()
+    with view.heartbeat(rep):
+        assert rep.seen.wait(5.0)
+    n = rep.n
+    assert not any(t.name == "qpass-progress-heartbeat" and t.is_alive() for t in threading.enumerate())
+    assert rep.n == n  # stopped with the block
+    with view.heartbeat(object()):  # not a line reporter: no thread
+        assert not any(t.name == "qpass-progress-heartbeat" for t in threading.enumerate())

@@ -6,8 +6,11 @@
   ``interval_s`` seconds while it advances (``n/N``, elapsed, ETA) and one when it ends; a nested
   phase (e.g. the decode steps of one sampled batch) only once it has run for ``interval_s``::
 
-      qpass: sampling 64 responses from the rollout graph: 1/4 batch, 31s, ETA 1m33s
-      qpass: sampling 64 responses from the rollout graph: done 4/4 batch in 2m04s
+      qpass: sampling 64 responses from the rollout graph: 1/4 batches, 31s, ETA 1m33s
+      qpass: sampling 64 responses from the rollout graph: done 4/4 batches in 2m04s
+
+A phase that does not advance for ``interval_s`` (one long forward, a single batch) gets a heartbeat
+line from a daemon thread (:func:`heartbeat`), so a log never goes silent while a command works.
 
 ``$QPASS_PROGRESS`` overrides the choice: ``rich``, ``lines`` or ``off``.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,16 +27,22 @@ from typing import Any
 
 from qpass.progress import Phase, format_seconds, reporting
 
-__all__ = ["LineReporter", "RichReporter", "command_progress", "make_reporter", "quiet_third_party_bars"]
+__all__ = ["LineReporter", "RichReporter", "command_progress", "heartbeat", "make_reporter", "quiet_third_party_bars"]
 
 MODES = ("auto", "rich", "lines", "off")
 
 
+def plural(unit: str, n: int) -> str:
+    """``unit`` for ``n`` of them (English: batch -> batches, pass -> passes, file set -> file sets)."""
+    if n == 1 or not unit:
+        return unit
+    return unit + ("es" if unit.endswith(("s", "x", "ch", "sh")) else "s")
+
+
 def _count(ph: Phase) -> str:
-    unit = f" {ph.unit}" if ph.unit else ""
     if ph.total is None:
-        return f"{ph.done}{unit}" if ph.done else ""
-    return f"{ph.done}/{ph.total}{unit}"
+        return f"{ph.done} {plural(ph.unit, ph.done)}".rstrip() if ph.done else ""
+    return f"{ph.done}/{ph.total} {plural(ph.unit, ph.total)}".rstrip()
 
 
 class LineReporter:
@@ -44,6 +54,9 @@ class LineReporter:
         self.prefix = prefix
         self._last: dict[int, float] = {}
         self._shown: set[int] = set()
+        self._open: list[Phase] = []  # running phases in start order (the heartbeat thread's view)
+        self._lock = threading.RLock()
+        self._last_write = time.perf_counter()
 
     @property
     def stream(self) -> Any:
@@ -56,15 +69,35 @@ class LineReporter:
         return " > ".join([*outer, ph.name])
 
     def _write(self, text: str) -> None:
-        try:
-            print(f"{self.prefix}: {text}", file=self.stream, flush=True)
-        except (OSError, ValueError):  # a closed stream never fails the command
-            pass
+        with self._lock:
+            self._last_write = time.perf_counter()
+            try:
+                print(f"{self.prefix}: {text}", file=self.stream, flush=True)
+            except (OSError, ValueError):  # a closed stream never fails the command
+                pass
+
+    def tick(self) -> None:
+        """Heartbeat (:func:`heartbeat`): when nothing was written for ``interval_s`` while a phase runs,
+        one line for the innermost running phase (a phase that does not advance — one long forward,
+        a single batch — is otherwise silent until it ends)."""
+        with self._lock:
+            if not self._open or time.perf_counter() - self._last_write < self.interval_s:
+                return
+            ph = self._open[-1]
+            self._shown.update(id(p) for p in self._open)
+            self._last[id(ph)] = time.perf_counter()
+            parts = [_count(ph), format_seconds(ph.elapsed_s)]
+            if ph.eta_s is not None:
+                parts.append(f"ETA {format_seconds(ph.eta_s)}")
+            path = " > ".join(p.name for p in self._open)
+            self._write(f"{path}: " + ", ".join(p for p in parts if p) + " (running)")
 
     def start(self, ph: Phase) -> None:
+        with self._lock:
+            self._open.append(ph)
         self._last[id(ph)] = time.perf_counter()
         if ph.depth == 0:  # a nested phase shows up only once it has run for interval_s
-            total = f" ({ph.total}{' ' + ph.unit if ph.unit else ''})" if ph.total else ""
+            total = f" ({ph.total} {plural(ph.unit, ph.total)})".replace(" )", ")") if ph.total else ""
             self._write(f"{self._path(ph)}{total} ...")
             self._shown.add(id(ph))
 
@@ -83,6 +116,9 @@ class LineReporter:
         self._write(f"{self._path(ph)}: " + ", ".join(p for p in parts if p))
 
     def end(self, ph: Phase, ok: bool) -> None:
+        with self._lock:
+            if ph in self._open:
+                self._open.remove(ph)
         self._last.pop(id(ph), None)
         if id(ph) not in self._shown:
             return
@@ -182,5 +218,27 @@ def command_progress(console: Any = None, *, enabled: bool = True) -> Iterator[A
     rep = make_reporter(console) if enabled else None
     if rep is not None:
         quiet_third_party_bars()
-    with reporting(rep):
+    with reporting(rep), heartbeat(rep):
         yield rep
+
+
+@contextmanager
+def heartbeat(rep: Any) -> Iterator[None]:
+    """A daemon thread calling ``rep.tick()`` every ``interval_s / 2`` while the block runs (plain-line
+    reporters only; the rich display animates by itself)."""
+    if not isinstance(rep, LineReporter):
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(rep.interval_s / 2):
+            rep.tick()
+
+    t = threading.Thread(target=beat, name="qpass-progress-heartbeat", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=1.0)

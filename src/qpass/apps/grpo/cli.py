@@ -790,7 +790,8 @@ def _train_recipes(a: argparse.Namespace, pipe: Any, task: Any, reward: Any, rec
                                                   shadow, calibration, prov)
                 s = summaries[recipe.name]
                 print(f"qpass grpo: {recipe.name}: {s['steps_done']} steps ({s['stop_reason']}), "
-                      f"G_abs {s['last'].get('gap/token/g_abs')}, reward {s['last'].get('reward/mean')} -> {dests[recipe.name]}",
+                      f"G_abs {_fmt4(s['last'].get('gap/token/g_abs'))}, reward {_fmt4(s['last'].get('reward/mean'))} "
+                      f"-> {dests[recipe.name]}",
                       file=sys.stderr)
             except (QpassError, ValueError, RuntimeError) as exc:
                 if not multi:
@@ -964,6 +965,11 @@ def _parse_or_status(ap: argparse.ArgumentParser, argv: Sequence[str] | None) ->
         return ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
         return _exit_code(exc)
+
+
+def _fmt4(v: object) -> str:
+    """A metric for the console: 4 decimals (``None`` and non-numbers as they are)."""
+    return f"{v:.4f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
 def _exit_code(exc: SystemExit) -> int:
