@@ -76,7 +76,7 @@ def test_parity_checks_validate():
 
 
 def test_missing_recipe_lists_builtins():
-    with pytest.raises(RecipeError, match="built-in recipes: .*quads_nvfp4"):
+    with pytest.raises(RecipeError, match=r"built-in recipes \(by name\): .*quads_nvfp4"):
         load_recipe("recipes/does_not_exist.yaml")
 
 
@@ -98,3 +98,16 @@ def test_target_glob_that_matches_nothing_fails_before_any_pass_with_nearest_nam
     bad_exclude = 'name: x\nrollout:\n  - pass: w4a4_lower\n    exclude: ["model.layers.9.*"]\n'
     with pytest.raises(RecipeError, match=r"exclude pattern 'model.layers.9.\*' matches no site.*nearest: model.layers.1."):
         tiny_pipeline.build(parse_recipe(bad_exclude))
+
+
+def test_a_recipe_path_that_does_not_exist_says_so(tmp_path):
+    """A fresh user's `recipes/nope.yaml` got the built-in list only ('not found'), as if it were a name."""
+    from qpass.compiler.recipe import load_recipe
+    from qpass.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"recipe file recipes/nope\.yaml does not exist; built-in recipes \(by name\)"):
+        load_recipe("recipes/nope.yaml")
+    with pytest.raises(RecipeError, match="is a directory, not a recipe file"):
+        load_recipe(str(tmp_path))
+    with pytest.raises(RecipeError, match=r"recipe 'nope' not found; built-in recipes"):
+        load_recipe("nope")

@@ -354,6 +354,9 @@ def load_recipe(ref: str) -> Recipe:
             p = builtins[ref]
         elif p.name.removesuffix(".yaml") in builtins and not p.exists():
             p = builtins[p.name.removesuffix(".yaml")]
+        elif p.is_dir() or p.suffix in (".yaml", ".yml") or len(p.parts) > 1:  # meant as a file
+            what = "is a directory, not a recipe file" if p.is_dir() else "does not exist"
+            raise RecipeError(f"recipe file {ref} {what}; built-in recipes (by name): {sorted(builtins)}")
         else:
             raise RecipeError(f"recipe {ref!r} not found; built-in recipes: {sorted(builtins)}")
     try:
