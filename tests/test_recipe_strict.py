@@ -167,7 +167,7 @@ def test_non_utf8_recipe_names_file_and_byte_offset(tmp_path):
 def test_unreadable_recipe_is_a_recipe_error(tmp_path):
     d = tmp_path / "dir.yaml"
     d.mkdir()
-    with pytest.raises(RecipeError, match="not found"):
+    with pytest.raises(RecipeError, match="is a directory, not a recipe file"):
         load_recipe(str(d))
 
 
