@@ -483,7 +483,7 @@ def act_sweep(points, budget_s: float) -> list[dict]:
     for (m, k) in budgeted(points, budget_s, rows, lambda mk: {"shape": list(mk)}):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         row = {"shape": [m, k]}
-        row["default_fused"] = m * k <= ca.FUSED_MAX_ELEMS and m <= ca.FUSED_MAX_ROWS and k <= ca.FUSED_MAX_K
+        row["default_fused"] = ca.one_cta(m, k)
         for fused in ((True, False) if m * k <= 262144 and m <= ca.FUSED_MAX_ROWS else (False,)):
             tag = "fused" if fused else "multi"
             row[f"plain_{tag}"] = time_fn(lambda i: (x.clone(),), lambda a, f=fused: ca.act_operands(a, fused=f), m * k * 2)[0]

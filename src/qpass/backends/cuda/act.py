@@ -73,6 +73,18 @@ def fused_smem_bytes(m: int, k: int, *, rac: bool) -> tuple[int, bool]:
     return (with_r, True) if with_r <= SMEM_BUDGET else (base, False)
 
 
+def one_cta(m: int, k: int) -> bool:
+    """Whether ``act_operands`` gives a batch of ``m`` rows x ``k`` channels to the one-CTA kernel by
+    default (run 4's sweep: the faster RAC path at all 16 measured points)."""
+    return m * k <= FUSED_MAX_ELEMS and m <= FUSED_MAX_ROWS and k <= FUSED_MAX_K
+
+
+def raise_if_not_finite(amax_bits: torch.Tensor, site: str | None) -> None:
+    """QuantizationError when an amax (float bits) is NaN or inf (synchronises with the host)."""
+    if bool((amax_bits.view(torch.int32) >= 0x7F800000).any()):
+        raise QuantizationError(f"activation at site {site} has NaN or inf values (nvfp4_quantize)")
+
+
 def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site, profile=None) -> ActOperands:
     """The one-CTA chain (``act_fused``): same outputs as the multi-CTA kernels. ``profile``: an int64
     [12] CUDA tensor that receives (clock64, globaltimer ns) after each phase (``phase_profile``)."""
@@ -92,8 +104,8 @@ def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site, profile=
                    [x, m, k, x.stride(0), bx, bx.stride(0), s_dec_x, lim, amax_bits, int(rac_k or 0),
                     static_mask, mask, br, 0 if br is None else br.stride(0), s_dec_r, int(keep_r), profile],
                    "piiipipfpipppipip", shared_bytes=smem)
-    if check and bool((amax_bits >= 0x7F800000).any()):
-        raise QuantizationError(f"activation at site {site} has NaN or inf values (nvfp4_quantize)")
+    if check:
+        raise_if_not_finite(amax_bits, site)
     return ActOperands(bx, s_dec_x, br, s_dec_r, mask, amax_bits=amax_bits)
 
 
@@ -128,8 +140,7 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     lim = act_operand_limit(torch.bfloat16) if lim is None else lim
     rac = bool(rac_k)
     base = dict(X_KIND=_X_KIND[x.dtype], PER_TOKEN=int(per_token), THREADS=THREADS)
-    small = m * k <= FUSED_MAX_ELEMS and m <= FUSED_MAX_ROWS and k <= FUSED_MAX_K
-    if fused or (fused is None and small):
+    if fused or (fused is None and one_cta(m, k)):
         return _fused(x, base, per_token=per_token, rac_k=rac_k, static_mask=static_mask, lim=lim, check=check, site=site,
                       profile=profile)
     blocks = m * (k // 16)
@@ -149,9 +160,7 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     runtime.launch(kq, (qgrid, 1, 1), (THREADS, 1, 1),
                    [x, m, k, x.stride(0), partial, p, bx, bx.stride(0), s_dec_x, lim, scores, ramax], "piiipipipfpp")
     if check:
-        bad = bool((partial.view(torch.int32) >= 0x7F800000).any())
-        if bad:
-            raise QuantizationError(f"activation at site {site} has NaN or inf values (nvfp4_quantize)")
+        raise_if_not_finite(partial, site)
     if not rac:
         return ActOperands(bx, s_dec_x, amax_bits=partial)
     if static_mask is None:

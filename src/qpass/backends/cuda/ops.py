@@ -24,7 +24,6 @@ import weakref
 
 import torch
 
-from qpass.errors import QuantizationError
 from qpass.backends.cuda import act as ca
 from qpass.backends.cuda import linear as cl
 from qpass.backends.cuda import prefill as cp
@@ -109,8 +108,8 @@ def nvfp4_linear(call) -> torch.Tensor | None:
         amax = torch.empty(m if call.per_token else 1, dtype=torch.int32, device=x2.device) if check else None
         y = cl.nvfp4_mma_linear(x2, w.codes, w.scales, w.s_dec, per_token=call.per_token, bias=call.bias,
                                 out_dtype=call.out_dtype, site=call.site, act_quant=True, amax_out=amax)
-        if check and bool((amax >= 0x7F800000).any()):
-            raise QuantizationError(f"activation at site {call.site} has NaN or inf values (nvfp4_quantize)")
+        if check:
+            ca.raise_if_not_finite(amax, call.site)
         return y.reshape(*call.x.shape[:-1], y.shape[-1])
     else:
         mask = _static_mask(call.rac_channels, k) if call.rac is not None and call.rac.selection == "static" else None
