@@ -98,6 +98,8 @@ MMA_VARIANTS += [dict(NT=nt, NW=nw, XH=0, OUT_KIND=ok, HAS_X2=0, HAS_BIAS=b, ALP
 ACT_VARIANTS = [dict(X_KIND=xk, PER_TOKEN=pt, RAC=r, THREADS=th)
                 for xk, pt, r, th in [(0, 0, 0, 256), (0, 0, 1, 256), (1, 1, 1, 256), (2, 0, 1, 256), (0, 0, 0, 1024),
                                           (0, 0, 1, 1024), (0, 1, 1, 1024)]]
+# the select's stage-1 variants (SEL_AGG: ballot-grouped, __match_any_sync-grouped) that cuda_check times
+ACT_VARIANTS += [dict(X_KIND=0, PER_TOKEN=0, RAC=1, THREADS=1024, SEL_AGG=a) for a in (1, 2)]
 
 
 @pytest.mark.skipif(not runtime.available(), reason="cuda-bindings (NVRTC) not installed: pip install 'qpass[cuda]'")
@@ -287,33 +289,53 @@ def _or_and_diff(keys: list[int]) -> int:
     return o ^ a
 
 
-def _radix_select_model(scores: list[int], k: int, passes: list | None = None) -> set[int]:
-    """select_topk of nvfp4_act.cu: bit length first, then 8-bit windows starting at the highest bit
-    where the candidates still differ; stop when the chosen bin's candidates are exactly the ones
-    needed or no lower bit differs; ties to the lower index. ``passes`` collects each stage-2 window."""
+def _stage1_bin(key: int, sub: int) -> int:
+    """stage1_bin of nvfp4_act.cu: bit length, then the ``sub`` bits below the leading one."""
+    length = key.bit_length()
+    if length <= 1:
+        return length << sub
+    below = key & ((1 << (length - 1)) - 1)
+    top = below >> (length - 1 - sub) if length - 1 >= sub else below << (sub - (length - 1))
+    return length << sub | top
+
+
+def _radix_select_model(scores: list[int], k: int, passes: list | None = None, bits: int = 10) -> set[int]:
+    """select_topk of nvfp4_act.cu at 2**bits threads (one bin per thread): bit length and ``bits - 7``
+    bits below the leading one first, then ``bits``-bit windows starting at the highest bit where the
+    candidates still differ; stop when the chosen bin's candidates are exactly the ones needed or no
+    lower bit differs; ties to the lower index. ``passes`` collects each stage-2 window."""
     k = min(k, len(scores))
+    sub = bits - 7
     prefix, pmask, need, all_ = 0, 0, k, False
     full = (1 << 64) - 1
     if k > 0:
-        hist = [0] * 256
+        hist = [0] * (1 << bits)
         for key in scores:
-            hist[key.bit_length()] += 1
-        length, need, all_ = _pick_bin(hist, need)
+            hist[_stage1_bin(key, sub)] += 1
+        b1, need, all_ = _pick_bin(hist, need)
+        length, top = b1 >> sub, b1 & ((1 << sub) - 1)
         pmask = 0 if length == 64 else full & ~((1 << length) - 1)
+        lo = 0
         if length > 0:
             pmask |= 1 << (length - 1)
             prefix = 1 << (length - 1)
+            if length - 1 >= sub:
+                lo = length - 1 - sub
+                pmask |= ((1 << sub) - 1) << lo
+                prefix |= top << lo
+            else:
+                pmask = full
+                prefix |= top >> (sub - (length - 1))
         diff = _or_and_diff(scores)
-        lo = length - 1
         while not all_ and lo > 0:
             below = diff & ((1 << lo) - 1)
             if not below:
                 break
             hi = below.bit_length() - 1
-            wlo = hi - 7 if hi >= 7 else 0
+            wlo = hi - (bits - 1) if hi >= bits - 1 else 0
             wmask = (1 << (hi - wlo + 1)) - 1
             cands = [key for key in scores if key & pmask == prefix]
-            hist = [0] * 256
+            hist = [0] * (1 << bits)
             for key in cands:
                 hist[(key >> wlo) & wmask] += 1
             d, need, all_ = _pick_bin(hist, need)
@@ -336,28 +358,35 @@ def _radix_select_model(scores: list[int], k: int, passes: list | None = None) -
     return out
 
 
-def test_rac_select_model_matches_the_reference_top_k():
+@pytest.mark.parametrize("bits", [8, 9, 10])
+def test_rac_select_model_matches_the_reference_top_k(bits):
     gen = torch.Generator().manual_seed(3)
     logspread = (torch.rand(300, generator=gen, dtype=torch.float64) * 61).exp2().floor().to(torch.int64)
     cases = [torch.randint(0, 2**62, (200,), generator=gen), torch.randint(0, 4, (97,), generator=gen),
              torch.zeros(64, dtype=torch.int64), (torch.randint(0, 3, (300,), generator=gen) << 40), logspread,
              torch.cat([logspread[:100], logspread[:100], torch.zeros(50, dtype=torch.int64)]),
+             # small keys: fewer bits below the leading one than stage 1's sub-bits
+             torch.randint(0, 9, (120,), generator=gen), torch.tensor([1, 2, 3, 1, 2, 3, 0, 5, 4, 6, 7] * 9),
+             torch.tensor([2**63 - 1, 2**62, 2**62 + 1, 2**63 - 2, 3 << 61] * 7),
              # one token's scores: a float32 significand shifted up (low bits zero), with repeats
              (torch.randint(2**23, 2**24, (64,), generator=gen)[torch.randint(0, 64, (400,), generator=gen)] << 33)]
     for scores in cases:
         for k in (0, 1, 5, scores.numel() // 2, scores.numel() - 1, scores.numel()):
             want = set(topk_channels(scores, k).tolist())
-            assert _radix_select_model(scores.tolist(), k) == want, (scores[:8], k)
+            assert _radix_select_model(scores.tolist(), k, bits=bits) == want, (scores[:8], k)
 
 
 def test_rac_select_skips_the_bits_every_candidate_shares():
-    """Scores of one token (24 significant bits shifted up by 33): the windows cover only the
-    significand, so at most three 8-bit passes run where the old select ran seven."""
+    """Scores of one token (24 significant bits shifted up by 33): stage 1 decides the bit length and 3 bits
+    below the leading one, the windows cover only the rest of the significand, so at most two 10-bit
+    passes run (three 8-bit passes at 256 threads; the select before 1024 bins ran three, before that seven)."""
     gen = torch.Generator().manual_seed(5)
     keys = (torch.randint(2**23, 2**24, (512,), generator=gen) << 33).tolist()
-    passes: list = []
-    assert _radix_select_model(keys, 256, passes) == set(topk_channels(torch.tensor(keys), 256).tolist())
-    assert passes and all(lo >= 33 for _, lo in passes) and len(passes) <= 3, passes
+    want = set(topk_channels(torch.tensor(keys), 256).tolist())
+    for bits, most in ((10, 2), (8, 3)):
+        passes: list = []
+        assert _radix_select_model(keys, 256, passes, bits=bits) == want
+        assert passes and all(lo >= 33 for _, lo in passes) and len(passes) <= most, (bits, passes)
     same: list = []
     assert _radix_select_model([7 << 40] * 100, 30, same) == set(range(30))  # all equal: no window pass
     assert same == []

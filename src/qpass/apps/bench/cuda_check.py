@@ -471,6 +471,29 @@ def act_profile(points, reps: int = 25) -> list[dict]:
     return rows
 
 
+def select_variants(points, gen, variants=(0, 1, 2)) -> list[dict]:
+    """Stage 1 of the radix select in each ``SEL_AGG`` variant (``act.SELECT_AGG``): the exactness checks
+    of ``act_check`` (one-CTA and multi-CTA, random and tie-heavy, RAC 50 % and 25 %) and the one-CTA
+    phase clocks of ``act_profile``; the default variant is restored afterwards."""
+    from qpass.backends.cuda import act as ca
+
+    default, rows = ca.SELECT_AGG, []
+    try:
+        for v in variants:
+            ca.SELECT_AGG = v
+            checks = [act_check(m, k, torch.bfloat16, per_token=False, rac=r, gen=gen, fused=f, ties=t)
+                      for (m, k, f) in ((1, 4096, True), (1, 14336, True), (16, 576, True), (16, 4096, False))
+                      for r in (0.5, 0.25) for t in (False, True)]
+            prof = [p for p in act_profile(points, reps=15) if p["rac50"]]
+            rows.append({"sel_agg": v, "checks_ok": sum(c["ok"] for c in checks), "checks": len(checks),
+                         "select_ns": {f"{p['shape'][0]}x{p['shape'][1]}": p["phase_ns"]["select"] for p in prof},
+                         "total_ns": {f"{p['shape'][0]}x{p['shape'][1]}": p["total_ns"] for p in prof}})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        ca.SELECT_AGG = default
+    return rows
+
+
 def act_sweep(points, budget_s: float) -> list[dict]:
     """act quant with and without RAC 50 % on the one-CTA kernel and on the multi-CTA chain, graph-replayed
     (µs): the data behind ``act.py``'s size rule (which path takes a batch)."""
@@ -639,9 +662,10 @@ def main(argv=None) -> int:
     if args.act_sweep_s:
         pts = [(m, k) for m in (1, 4, 16, 64) for k in (576, 1536, 4096, 14336)]
         rep["act_profile"] = act_profile([(1, 576), (1, 4096), (1, 14336), (16, 576), (16, 1536), (4, 4096)])
+        rep["select_variants"] = select_variants([(1, 576), (1, 4096), (1, 14336), (16, 576), (4, 4096)], gen)
         rep["act_sweep"] = act_sweep(pts, args.act_sweep_s)
     if args.only_act:
-        rep["ok"] = all(c["ok"] for c in acts)
+        rep["ok"] = all(c["ok"] for c in acts) and all(v["checks_ok"] == v["checks"] for v in rep.get("select_variants", []))
         (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
         print("OK" if rep["ok"] else "FAILED", f"{time.time() - t0:.0f}s")
         return 0 if rep["ok"] else 1
@@ -654,7 +678,7 @@ def main(argv=None) -> int:
     save()
     _timed_sections(args, rep, save)
     rep["ok"] = all(e["mismatches"] == 0 for e in rep["exhaustive"]) and all(c["ok"] for c in checks) \
-        and all(c["ok"] for c in acts)
+        and all(c["ok"] for c in acts) and all(v["checks_ok"] == v["checks"] for v in rep.get("select_variants", []))
     rep["wall_s"] = time.time() - t0
     (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
     lines = _timing_lines(rep)

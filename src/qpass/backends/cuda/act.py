@@ -20,6 +20,9 @@ from qpass.backends.cuda import runtime
 _X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 THREADS = 256
 SELECT_THREADS = 1024
+# stage 1 of the one-CTA radix select (nvfp4_act.cu SEL_AGG): 0 plain shared atomics, 1 ballot-grouped,
+# 2 __match_any_sync-grouped; the benchmark's act_profile times each (cuda_check), the default is its pick
+SELECT_AGG = 0
 # one CTA runs the whole chain (act_fused) up to this many elements / rows / channels: the decode
 # batches; larger batches take the multi-CTA kernels
 FUSED_MAX_ELEMS = 16384
@@ -99,7 +102,7 @@ def _fused(x, base, *, per_token, rac_k, static_mask, lim, check, site, profile=
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev) if rac else None
     s_dec_r = torch.empty(n_r, dtype=torch.float32, device=dev) if rac else None
     smem, keep_r = fused_smem_bytes(m, k, rac=rac)
-    kern = runtime.get_kernel("nvfp4_act", "act_fused", dict(base, RAC=int(rac), THREADS=SELECT_THREADS), dev.index or 0)
+    kern = runtime.get_kernel("nvfp4_act", "act_fused", dict(base, RAC=int(rac), THREADS=SELECT_THREADS, SEL_AGG=SELECT_AGG), dev.index or 0)
     runtime.launch(kern, (1, 1, 1), (SELECT_THREADS, 1, 1),
                    [x, m, k, x.stride(0), bx, bx.stride(0), s_dec_x, lim, amax_bits, int(rac_k or 0),
                     static_mask, mask, br, 0 if br is None else br.stride(0), s_dec_r, int(keep_r), profile],
@@ -165,7 +168,7 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
         return ActOperands(bx, s_dec_x, amax_bits=partial)
     if static_mask is None:
         mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev)
-        ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS), di)
+        ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS, SEL_AGG=SELECT_AGG), di)
         smem_keys = 10 * k <= SMEM_BUDGET  # keys + candidate list: the select passes read shared memory, not L2
         runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask, int(smem_keys)], "piipi",
                        shared_bytes=10 * k if smem_keys else 2 * k)

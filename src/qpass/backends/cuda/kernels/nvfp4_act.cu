@@ -201,49 +201,86 @@ extern "C" __global__ void __launch_bounds__(THREADS) act_quant(
 }
 
 // ---------------------------------------------------------------------------------------------
-// select_topk (one CTA of THREADS >= 256 threads): mask bit j set iff channel j is among the k largest
-// scores, ties toward the lower index. Radix select: first by bit length (65 bins: the scores span
-// many orders of magnitude, so a plain top-byte pass would put nearly every key in bin 0), then by 8-bit
-// digits below the leading one. Each pass also reduces the OR and the AND of its candidates' keys: bits
-// where every candidate agrees are skipped by the next window (the scores of one token are a float's
-// 24-bit significand shifted up, so the low bits are zero for all of them), and the select stops when no
-// bit below the decided ones differs (the remaining candidates are equal keys: ties by index) or when
-// the candidates of the chosen bin are exactly the ones still needed. The bin holding the need-th
-// largest key is found by a parallel suffix scan of the 256 bins (8 warp scans), not by a serial loop.
+// select_topk (one CTA of THREADS = 2^SEL_BITS >= 256 threads): mask bit j set iff channel j is among the
+// k largest scores, ties toward the lower index. Radix select with one histogram bin per thread (1024 bins at
+// 1024 threads): stage 1 bins a key by its bit length and the SUB_BITS bits below its leading one (the
+// scores span many orders of magnitude, so a plain top-digit pass would put nearly every key in one bin,
+// and one token's keys share few bit lengths: the sub-bits spread each length over 2^SUB_BITS bins, so
+// fewer lanes collide on one shared atomic), then SEL_BITS-bit digits below the decided bits. Each pass
+// also reduces the OR and the AND of its candidates' keys: bits where every candidate agrees are skipped
+// by the next window (the scores of one token are a float's 24-bit significand shifted up, so the low bits
+// are zero for all of them: at 1024 threads stage 1 and two 10-bit windows cover it), and the select stops
+// when no bit below the decided ones differs (the remaining candidates are equal keys: ties by index) or
+// when the candidates of the chosen bin are exactly the ones still needed. The bin holding the need-th
+// largest key is found by a parallel suffix scan of the bins (one per thread), not by a serial loop.
+#define SEL_BITS (THREADS >= 1024 ? 10 : THREADS >= 512 ? 9 : 8)
+#define SEL_BINS (1 << SEL_BITS)
+#define SUB_BITS (SEL_BITS - 7)  // 7 bits hold the bit length 0..64
+
 DEV void hist_add(u32* hist, u32 bin, bool active) {
   // a plain shared atomic (lanes of a warp on one bin are serialised by the hardware), not run 3's
   // aggregation by __match_any_sync; cuda_check's act_profile times the select
   if (active) atomicAdd(&hist[bin], 1u);
 }
 
+#ifndef SEL_AGG
+#define SEL_AGG 0
+#endif
+// stage 1's histogram add (SEL_AGG, benchmarks compare the variants: cuda_check act_profile): 0 a plain
+// shared atomic per key; 1 the lanes of a warp with the same bin found by SEL_BITS ballots, one atomic of
+// their count by the lowest; 2 the same grouping by __match_any_sync. Every lane of the warp must call it.
+DEV void hist_add_stage1(u32* hist, u32 bin, bool active) {
+#if SEL_AGG == 1
+  u32 peers = __ballot_sync(0xFFFFFFFFu, active);
+#pragma unroll
+  for (int b = 0; b < SEL_BITS; ++b) {
+    const bool on = (bin >> b) & 1u;
+    const u32 bb = __ballot_sync(0xFFFFFFFFu, on);
+    peers &= on ? bb : ~bb;
+  }
+  if (active && __ffs(peers) - 1 == (int)(threadIdx.x & 31)) atomicAdd(&hist[bin], (u32)__popc(peers));
+#elif SEL_AGG == 2
+  const u32 peers = __match_any_sync(0xFFFFFFFFu, active ? bin : 0xFFFFFFFFu);
+  if (active && __ffs(peers) - 1 == (int)(threadIdx.x & 31)) atomicAdd(&hist[bin], (u32)__popc(peers));
+#else
+  hist_add(hist, bin, active);
+#endif
+}
+
+// stage-1 bin of a key: bit length L, then the SUB_BITS bits below the leading one (zero-padded when
+// the key has fewer); order-preserving: a larger key never gets a smaller bin
+DEV u32 stage1_bin(u64 key) {
+  const int L = 64 - __clzll((long long)key);
+  if (L <= 1) return (u32)L << SUB_BITS;
+  const u64 below = key & ((1ull << (L - 1)) - 1ull);  // the L - 1 bits under the leading one
+  const u32 top = L - 1 >= SUB_BITS ? (u32)(below >> (L - 1 - SUB_BITS)) : (u32)(below << (SUB_BITS - (L - 1)));
+  return (u32)L << SUB_BITS | top;
+}
+
 struct Pick {
   int bin, need, all;
 };
 
-// the bin d (0..255) with sum(hist[d+1..255]) < need <= sum(hist[d..255]); need in that bin; whether the
-// bin's count equals it. Requires 1 <= need <= sum(hist). Two __syncthreads.
+// the bin d (0..SEL_BINS-1) with sum(hist[d+1..]) < need <= sum(hist[d..]); need in that bin; whether the
+// bin's count equals it. Requires 1 <= need <= sum(hist) and SEL_BINS == THREADS. Two __syncthreads.
 DEV Pick pick_bin(const u32* hist, int need, u32* s_wsum, int* s_pick) {
-  const int t = threadIdx.x, lane = t & 31;
-  u32 h = 0, inc = 0;
-  if (t < 256) {
-    h = hist[255 - t];
-    inc = h;
+  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
+  const u32 h = hist[SEL_BINS - 1 - t];
+  u32 inc = h;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const u32 v = __shfl_up_sync(0xFFFFFFFFu, inc, o);
-      if (lane >= o) inc += v;
-    }
-    if (lane == 31) s_wsum[t >> 5] = inc;
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 v = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+    if (lane >= o) inc += v;
   }
+  if (lane == 31) s_wsum[wid] = inc;
   __syncthreads();
-  if (t < 256) {
-    u32 before = inc - h;
-    for (int w = 0; w < (t >> 5); ++w) before += s_wsum[w];
-    if ((int)before < need && (int)(before + h) >= need) {
-      s_pick[0] = 255 - t;
-      s_pick[1] = need - (int)before;
-      s_pick[2] = (int)h == need - (int)before;
-    }
+  // the counts of the warps before this one: lane w < wid holds warp w's sum, one warp reduction
+  const u32 mine = lane < wid ? s_wsum[lane] : 0u;
+  const u32 before = __reduce_add_sync(0xFFFFFFFFu, mine) + inc - h;
+  if ((int)before < need && (int)(before + h) >= need) {
+    s_pick[0] = SEL_BINS - 1 - t;
+    s_pick[1] = need - (int)before;
+    s_pick[2] = (int)h == need - (int)before;
   }
   __syncthreads();
   Pick p;
@@ -288,29 +325,30 @@ DEV int compact_slot(bool keep, int* s_cnt, int* total) {
 // barrier on it. The mask words come from warp ballots (32 channels per word); only when the k-th
 // key's bin is not taken whole, a last pass ranks the tied keys in index order.
 DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
-  static_assert(THREADS >= 256 && THREADS % 32 == 0, "select_topk scans 256 bins with 8 warps");
-  __shared__ u32 hist2[2][256];
-  __shared__ u32 s_wsum[8];
+  static_assert(THREADS == SEL_BINS && THREADS <= 1024, "select_topk: one histogram bin per thread");
+  __shared__ u32 hist2[2][SEL_BINS];
+  __shared__ u32 s_wsum[32];
   __shared__ u32 s_oa2[2][4];
   __shared__ int s_pick[3];
   __shared__ int s_cnt[THREADS / 32];
   __shared__ int s_rank;
   k = min(k, K);
-  for (int i = threadIdx.x; i < 512; i += THREADS) (&hist2[0][0])[i] = 0u;
+  hist2[0][threadIdx.x] = 0u;
+  hist2[1][threadIdx.x] = 0u;
   if (threadIdx.x < 8) (&s_oa2[0][0])[threadIdx.x] = (threadIdx.x & 3) < 2 ? 0u : ~0u;
   if (threadIdx.x == 0) s_rank = 0;
   __syncthreads();
   u64 pf = 0, pm = 0;  // decided bits (mask) and their values: the candidates are (key & pm) == pf
   int need = k, all = 0, buf = 0;
   if (k > 0) {
-    // stage 1: bit length
+    // stage 1: bit length and the SUB_BITS bits below the leading one
     u32* hist = hist2[0];
     u32* s_oa = s_oa2[0];
     u64 o = 0, a = ~0ull;
     for (int base = 0; base < K; base += THREADS) {
       const int j = base + threadIdx.x;
       const u64 key = j < K ? scores[j] : 0ull;
-      hist_add(hist, (u32)(64 - __clzll((long long)key)), j < K);
+      hist_add_stage1(hist, stage1_bin(key), j < K);
       if (j < K) {
         o |= key;
         a &= key;
@@ -321,21 +359,30 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
     // s_oa is read before pick_bin's barriers: the pass after next zeroes this buffer
     u64 diff = ((u64)s_oa[1] << 32 | s_oa[0]) ^ ((u64)s_oa[3] << 32 | s_oa[2]);
     Pick p = pick_bin(hist, need, s_wsum, s_pick);
-    const int L = p.bin;  // the candidates' bit length (0: the candidates are 0)
+    const int L = p.bin >> SUB_BITS;  // the candidates' bit length (0: the candidates are 0)
     need = p.need;
     all = p.all;
     pm = L == 64 ? 0ull : ~((1ull << L) - 1ull);  // bits above the leading one are zero...
-    if (L > 0) {  // ... and the leading one set
+    int lo = 0;  // bits [0, lo) are undecided
+    if (L > 0) {  // ... the leading one set, and up to SUB_BITS bits below it decided
       pm |= 1ull << (L - 1);
       pf = 1ull << (L - 1);
+      const u32 top = (u32)p.bin & ((1u << SUB_BITS) - 1u);
+      if (L - 1 >= SUB_BITS) {
+        lo = L - 1 - SUB_BITS;
+        pm |= ((1ull << SUB_BITS) - 1ull) << lo;
+        pf |= (u64)top << lo;
+      } else {  // every bit below the leading one is decided
+        pm = ~0ull;
+        pf |= (u64)(top >> (SUB_BITS - (L - 1)));
+      }
     }
-    int lo = L - 1;  // bits [0, lo) are undecided
-    // stage 2: 8-bit windows starting at the highest bit below lo where the candidates differ
+    // stage 2: SEL_BITS-bit windows starting at the highest bit below lo where the candidates differ
     while (!all && lo > 0) {
       const u64 below = diff & ((1ull << lo) - 1ull);
       if (!below) break;  // the candidates are equal keys
       const int hi = 63 - __clzll((long long)below);
-      const int wlo = hi >= 7 ? hi - 7 : 0;
+      const int wlo = hi >= SEL_BITS - 1 ? hi - (SEL_BITS - 1) : 0;
       const int width = hi - wlo + 1;
       const u64 wmask = ((1ull << width) - 1ull);
       // this pass uses the other buffer (zeroed at the start or by the pass before the last); it
@@ -345,7 +392,7 @@ DEV void select_topk(const u64* scores, int K, int k, u32* __restrict__ mask) {
       buf ^= 1;
       hist = hist2[buf];
       s_oa = s_oa2[buf];
-      for (int i = threadIdx.x; i < 256; i += THREADS) prev[i] = 0u;
+      prev[threadIdx.x] = 0u;
       if (threadIdx.x < 4) prev_oa[threadIdx.x] = threadIdx.x < 2 ? 0u : ~0u;
       o = 0;
       a = ~0ull;
