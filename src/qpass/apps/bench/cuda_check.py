@@ -494,6 +494,11 @@ def select_variants(points, gen, variants=(0, 1, 2)) -> list[dict]:
     return rows
 
 
+def _variants_ok(rep: dict) -> bool:
+    """Every exactness check of every select variant passed (True when none ran)."""
+    return all(v["checks_ok"] == v["checks"] for v in rep.get("select_variants", []))
+
+
 def act_sweep(points, budget_s: float) -> list[dict]:
     """act quant with and without RAC 50 % on the one-CTA kernel and on the multi-CTA chain, graph-replayed
     (µs): the data behind ``act.py``'s size rule (which path takes a batch)."""
@@ -665,7 +670,7 @@ def main(argv=None) -> int:
         rep["select_variants"] = select_variants([(1, 576), (1, 4096), (1, 14336), (16, 576), (4, 4096)], gen)
         rep["act_sweep"] = act_sweep(pts, args.act_sweep_s)
     if args.only_act:
-        rep["ok"] = all(c["ok"] for c in acts) and all(v["checks_ok"] == v["checks"] for v in rep.get("select_variants", []))
+        rep["ok"] = all(c["ok"] for c in acts) and _variants_ok(rep)
         (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
         print("OK" if rep["ok"] else "FAILED", f"{time.time() - t0:.0f}s")
         return 0 if rep["ok"] else 1
@@ -678,7 +683,7 @@ def main(argv=None) -> int:
     save()
     _timed_sections(args, rep, save)
     rep["ok"] = all(e["mismatches"] == 0 for e in rep["exhaustive"]) and all(c["ok"] for c in checks) \
-        and all(c["ok"] for c in acts) and all(v["checks_ok"] == v["checks"] for v in rep.get("select_variants", []))
+        and all(c["ok"] for c in acts) and _variants_ok(rep)
     rep["wall_s"] = time.time() - t0
     (out / "devcheck.json").write_text(json.dumps(rep, indent=1))
     lines = _timing_lines(rep)

@@ -21,7 +21,7 @@ _X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 THREADS = 256
 SELECT_THREADS = 1024
 # stage 1 of the one-CTA radix select (nvfp4_act.cu SEL_AGG): 0 plain shared atomics, 1 ballot-grouped,
-# 2 __match_any_sync-grouped; the benchmark's act_profile times each (cuda_check), the default is its pick
+# 2 __match_any_sync-grouped; cuda_check's select_variants checks and times each
 SELECT_AGG = 0
 # one CTA runs the whole chain (act_fused) up to this many elements / rows / channels: the decode
 # batches; larger batches take the multi-CTA kernels
