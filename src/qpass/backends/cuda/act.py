@@ -66,12 +66,11 @@ def channel_mask(channels: torch.Tensor, k_dim: int) -> torch.Tensor:
 
 def fused_smem_bytes(m: int, k: int, *, rac: bool) -> tuple[int, bool]:
     """Dynamic shared memory of one ``act_fused`` launch and whether it keeps the residual there:
-    the K channel scores (8 bytes each; reserved also with static channels), R (4 bytes per element)
-    when everything fits in ``SMEM_BUDGET`` bytes, then the select's candidate list (2 bytes per
-    channel)."""
+    the K channel scores (8 bytes each; reserved also with static channels), then R (4 bytes per
+    element) when both fit in ``SMEM_BUDGET`` bytes."""
     if not rac:
         return 0, False
-    base = 8 * k + 2 * k
+    base = 8 * k
     with_r = base + 4 * m * k
     return (with_r, True) if with_r <= SMEM_BUDGET else (base, False)
 
@@ -169,9 +168,9 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     if static_mask is None:
         mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev)
         ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS, SEL_AGG=SELECT_AGG), di)
-        smem_keys = 10 * k <= SMEM_BUDGET  # keys + candidate list: the select passes read shared memory, not L2
+        smem_keys = 8 * k <= SMEM_BUDGET  # the keys in shared memory: the select passes read it, not L2
         runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask, int(smem_keys)], "piipi",
-                       shared_bytes=10 * k if smem_keys else 2 * k)
+                       shared_bytes=8 * k if smem_keys else 0)
     else:
         mask = static_mask
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
