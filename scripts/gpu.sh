@@ -23,6 +23,7 @@ GPU_SUBCOMMANDS=(
   "megatron|megatron|scripts/megatron_parity.py qpass.apps.cli|Megatron learner TP=1 on CUDA (docs/results/h200/megatron/)"
   "study|study|qpass.apps.study|the QUADS study on CUDA (docs/results/h200/study.json)"
   "vllm-linear|vllm_linear|qpass.backends.vllm.plugin qpass.checkpoint.linear|the vLLM plugin's linear method on CUDA without vLLM (docs/results/vllm/h200/vllm_linear.json)"
+  "cuda|cuda|qpass.apps.bench.cuda_check qpass.apps.bench.triton_selfcheck qpass.apps.bench.cuda_tables|cuda kernel backend: act checks, then (if they pass) the same-run table and the Triton selfcheck, one call (docs/results/cuda_kernels/)"
   "bf16-gap|bf16_gap|qpass.apps.grpo.cli|why the bf16 GRPO gap differs between runs; ARMSET=1|2 (docs/results/h200/bf16_gap_probe/)"
 )
 

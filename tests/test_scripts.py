@@ -31,7 +31,7 @@ WITH_CLI = [f for f in PY if "argparse" in (SCRIPTS / f).read_text() or "vllm_cl
 def test_readme_has_one_row_per_file():
     rows = re.findall(r"^\| `([^`]+)` \|", (SCRIPTS / "README.md").read_text(), flags=re.M)
     assert sorted(rows) == FILES
-    assert len(FILES) == 44 and len(SH) == 22
+    assert len(FILES) == 45 and len(SH) == 23
 
 
 def test_nothing_edits_sys_path():
@@ -42,7 +42,7 @@ def test_nothing_edits_sys_path():
 def test_every_lab_file_states_its_provenance():
     readme = (SCRIPTS / "README.md").read_text()
     lab = re.findall(r"^\| `([^`]+)` \| lab (?:file|launcher)", readme, flags=re.M)
-    assert len(lab) == 24
+    assert len(lab) == 25
     assert [f for f in lab if "Provenance (lab" not in (SCRIPTS / f).read_text()[:3000]] == []
 
 
@@ -158,7 +158,7 @@ def test_moe_apply_summary_on_a_tiny_apply_output(tmp_path, monkeypatch):
 
 # --- scripts/gpu.sh: the one GPU-box entry point (stub bodies stand in for the GPU work)
 
-GPU_SUBCOMMANDS = ["kernels", "gemv", "moe", "grpo", "grpo-long", "long-jobs", "megatron", "study", "vllm-linear", "bf16-gap"]
+GPU_SUBCOMMANDS = ["kernels", "gemv", "moe", "grpo", "grpo-long", "long-jobs", "megatron", "study", "vllm-linear", "cuda", "bf16-gap"]
 WRAPPERS = {"gpu_kernels.sh": "kernels", "gpu_gemv.sh": "gemv", "gpu_moe.sh": "moe", "gpu_grpo.sh": "grpo",
             "gpu_grpo_long.sh": "grpo-long", "gpu_long_jobs.sh": "long-jobs", "gpu_megatron.sh": "megatron",
             "gpu_study.sh": "study", "gpu_vllm_linear.sh": "vllm-linear", "probes/bf16_gap_probe.sh": "bf16-gap"}
