@@ -172,6 +172,20 @@ def test_channel_mask_bits():
     assert int(w[2]) == 1 << 6
 
 
+def test_fused_smem_holds_the_scores_and_r_only():
+    # act_fused's dynamic shared memory: keys = dyn_smem[0:K] (u64), rbuf = (float*)(dyn_smem + K)
+    # (nvfp4_act.cu); nothing else since run 3's candidate list was removed
+    from qpass.backends.cuda.act import SMEM_BUDGET, fused_smem_bytes
+
+    assert fused_smem_bytes(16, 576, rac=False) == (0, False)
+    assert fused_smem_bytes(1, 576, rac=True) == (8 * 576 + 4 * 576, True)
+    assert fused_smem_bytes(16, 1024, rac=True) == (8 * 1024 + 4 * 16 * 1024, True)
+    k = 4096  # 8K + 4MK = 32768 + 180224 > SMEM_BUDGET at M = 11: the scores only
+    assert 8 * k + 4 * 11 * k > SMEM_BUDGET >= 8 * k + 4 * 10 * k
+    assert fused_smem_bytes(10, k, rac=True) == (8 * k + 4 * 10 * k, True)
+    assert fused_smem_bytes(11, k, rac=True) == (8 * k, False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Models of the kernels' data movement (pure Python, mirroring the CUDA code line by line), so a
 # mapping mistake shows up on the CPU before a GPU run. They check the *algorithm*; the GPU check
