@@ -31,7 +31,9 @@ FUSED_MAX_K = 16384
 # dynamic shared memory a one-CTA RAC launch may take (H100/H200 allow 227 KiB per block; the static
 # arrays of act_fused take ~5 KiB): the K scores always fit (8 * FUSED_MAX_K = 128 KiB)
 SMEM_BUDGET = 200 * 1024
-MAX_RAC_K = 65535  # the select's candidate list holds channel indices as u16
+# RAC's K bound: it came from run 3's u16 candidate list (removed in run 4); kept unchanged until a GPU run checks
+# the select above K = 14336, the largest K cuda_check's activation checks take
+MAX_RAC_K = 65535
 
 
 @dataclasses.dataclass(frozen=True)
