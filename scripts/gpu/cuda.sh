@@ -24,11 +24,12 @@ unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 RC=0
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
+wants() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 # step N ESTIMATE_S LIMIT_S CMD...: run CMD (log $OUT/stepN.log) when STEPS has N and the budget holds ESTIMATE_S
 step() {
   local n=$1 est=$2 lim=$3 rc
   shift 3
-  case " $STEPS " in *" $n "*) ;; *) return 0 ;; esac
+  wants "$n" || return 0
   if [ "$(left)" -lt "$est" ]; then echo "step $n skipped: $(left) s left, needs ~$est s"; return 0; fi
   [ "$lim" -gt "$(left)" ] && lim=$(left)
   echo "=== step $n: $* (limit ${lim} s)"
@@ -50,5 +51,7 @@ step 3 120 200 $CC --e2e-only --out "$OUT/c" --budget-s 170 --e2e-batches 16,64
 step 4 60 200 python3 -m qpass.apps.bench.triton_selfcheck --quick --out "$OUT/selfcheck.json"
 dirs=()
 for d in b c; do [ -d "$OUT/$d" ] && dirs+=("$OUT/$d"); done
-case " $STEPS " in *" 5 "*) [ ${#dirs[@]} -gt 0 ] && python3 -m qpass.apps.bench.cuda_tables "${dirs[@]}" > "$OUT/tables.md" 2>&1 && echo "tables: $OUT/tables.md" ;; esac
+if wants 5 && [ ${#dirs[@]} -gt 0 ]; then
+  python3 -m qpass.apps.bench.cuda_tables "${dirs[@]}" > "$OUT/tables.md" 2>&1 && echo "tables: $OUT/tables.md"
+fi
 exit $RC

@@ -31,6 +31,7 @@ FUSED_MAX_K = 16384
 # dynamic shared memory a one-CTA RAC launch may take (H100/H200 allow 227 KiB per block; the static
 # arrays of act_fused take ~5 KiB): the K scores always fit (8 * FUSED_MAX_K = 128 KiB)
 SMEM_BUDGET = 200 * 1024
+SCORE_BYTES = 8  # one channel score (u64) in shared memory: act_fused's and rac_select's keys
 # RAC's K bound: it came from run 3's u16 candidate list (removed in run 4); kept unchanged until a GPU run checks
 # the select above K = 14336, the largest K cuda_check's activation checks take
 MAX_RAC_K = 65535
@@ -72,7 +73,7 @@ def fused_smem_bytes(m: int, k: int, *, rac: bool) -> tuple[int, bool]:
     element) when both fit in ``SMEM_BUDGET`` bytes."""
     if not rac:
         return 0, False
-    base = 8 * k
+    base = SCORE_BYTES * k
     with_r = base + 4 * m * k
     return (with_r, True) if with_r <= SMEM_BUDGET else (base, False)
 
@@ -170,9 +171,9 @@ def act_operands(x: torch.Tensor, *, per_token: bool = False, rac_k: int | None 
     if static_mask is None:
         mask = torch.empty((k + 31) // 32, dtype=torch.int32, device=dev)
         ks = runtime.get_kernel("nvfp4_act", "rac_select", dict(base, THREADS=SELECT_THREADS, SEL_AGG=SELECT_AGG), di)
-        smem_keys = 8 * k <= SMEM_BUDGET  # the keys in shared memory: the select passes read it, not L2
+        smem_keys = SCORE_BYTES * k <= SMEM_BUDGET  # the keys in shared memory: the select passes read it, not L2
         runtime.launch(ks, (1, 1, 1), (SELECT_THREADS, 1, 1), [scores, k, int(rac_k), mask, int(smem_keys)], "piipi",
-                       shared_bytes=8 * k if smem_keys else 0)
+                       shared_bytes=SCORE_BYTES * k if smem_keys else 0)
     else:
         mask = static_mask
     br = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
